@@ -1,0 +1,18 @@
+"""mcrdl: one torch.distributed-shaped API over several communication libraries,
+each operation routed to the best one for its op, group size and message size."""
+from .api import (DTYPES, all_gather, all_gather_into_tensor, all_reduce, all_to_all,
+                  all_to_all_single, available_backends, barrier, batch_isend_irecv, broadcast,
+                  destroy_process_group, explain, gather, get_backend_versions,
+                  get_default_backend, get_global_rank, get_group_rank, get_local_rank,
+                  get_local_size, get_rank, get_world_size, init_process_group, irecv,
+                  is_initialized, isend, new_group, recv, reduce, reduce_scatter,
+                  reduce_scatter_tensor, scatter, send)
+from .backends import register_backend
+from .runtime import Group
+from .tuning import TuningTable, TuningTableError
+from .types import CommError, CommTimeoutError, P2POp, ReduceOp, UnsupportedError
+from .work import Work
+
+__version__ = "0.1.0"
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,670 @@
+"""The user-facing API, shaped like ``torch.distributed``.
+
+Every op validates its arguments on the calling rank, computes its
+rank-invariant message size, asks the selector for a backend, orders itself
+after conflicting outstanding work, and submits. ``backend=`` forces a backend.
+"""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Callable, List, Mapping, Optional, Sequence, Union
+
+import torch
+
+from .backends import REGISTRY
+from .runtime import DEFAULT_TIMEOUT, Group, Runtime
+from .tuning import TuningTable
+from .types import CommError, P2POp, ReduceOp, UnsupportedError
+from .work import Done, Work, _seconds
+
+_runtime: Optional[Runtime] = None
+
+#: Dtypes the API accepts (per backend limits are checked by the selector).
+DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
+                    torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
+
+
+# -- lifecycle -------------------------------------------------------------------------
+def init_process_group(backends: Optional[Sequence[str]] = None, default_backend: Optional[str] = None,
+                       timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,
+                       op_backends: Optional[Mapping[str, str]] = None,
+                       tuning_table: Union[None, str, dict, TuningTable] = None,
+                       debug: Optional[bool] = None) -> None:
+    """Start every requested backend that can start in this job.
+
+    ``backends``: names to start (default: all registered; those that cannot
+    start here are listed by :func:`available_backends`). ``default_backend``:
+    used when nothing else decides (default: first live of mpi, nccl, gloo).
+    ``op_backends``: static per-op map (or ``MCRDL_OP_BACKENDS``).
+    ``tuning_table``: path, dict or table (or ``MCRDL_TUNING_TABLE``).
+    ``debug``: check collective order across ranks (or ``MCRDL_DEBUG=1``).
+    """
+    global _runtime
+    if _runtime is not None:
+        raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
+    _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug)
+
+
+def destroy_process_group() -> None:
+    """Release every backend and group; init may be called again afterwards."""
+    global _runtime
+    if _runtime is not None:
+        rt, _runtime = _runtime, None
+        rt.shutdown()
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def _rt() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("mcrdl is not initialized: call mcrdl.init_process_group() first")
+    return _runtime
+
+
+def _group(group: Optional[Group]) -> Group:
+    rt = _rt()
+    if group is None:
+        return rt.world
+    if not isinstance(group, Group):
+        raise TypeError(f"group must be an mcrdl Group from mcrdl.new_group(), got {type(group).__name__}")
+    return group
+
+
+def available_backends() -> dict[str, str]:
+    """Every registered backend: ``"live"`` or the reason it is not."""
+    rt = _rt()
+    return {name: ("live" if name in rt.backends else rt.unavailable.get(name, "not requested"))
+            for name in REGISTRY}
+
+
+def get_backend_versions() -> dict[str, str]:
+    return {name: b.version() for name, b in _rt().backends.items()}
+
+
+def get_default_backend() -> str:
+    return _rt().default_backend
+
+
+def get_rank(group: Optional[Group] = None) -> int:
+    """This process's rank in ``group`` (-1 if not a member)."""
+    return _rt().rank if group is None else _group(group).rank
+
+
+def get_world_size(group: Optional[Group] = None) -> int:
+    return _group(group).size
+
+
+def get_local_rank() -> int:
+    return _rt().local_rank
+
+
+def get_local_size() -> int:
+    return _rt().local_size
+
+
+def new_group(ranks: Optional[Sequence[int]] = None,
+              timeout: Union[None, timedelta, float] = None) -> Group:
+    """A group of ``ranks`` (all ranks when None); every rank must call it,
+    in the same order. Ops on a group this rank is not in return None."""
+    rt = _rt()
+    return rt.new_group(range(rt.world_size) if ranks is None else ranks, timeout)
+
+
+def get_group_rank(group: Group, global_rank: int) -> int:
+    return _group(group).group_rank(global_rank)
+
+
+def get_global_rank(group: Group, group_rank: int) -> int:
+    g = _group(group)
+    if not 0 <= group_rank < g.size:
+        raise ValueError(f"group rank {group_rank} is outside group {g.name} of size {g.size}")
+    return g.ranks[group_rank]
+
+
+def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional[Group] = None,
+            backend: Optional[str] = None) -> str:
+    """Which backend would run ``op`` for this tensor (or message size in bytes), and why.
+
+    For tensors the size is the op's lookup size (see docs/tuning-table.md)."""
+    from .tuning import OP_CLASS
+
+    if op not in OP_CLASS:
+        raise ValueError(f"unknown op {op!r} (expected one of {', '.join(OP_CLASS)})")
+    rt, g = _rt(), _group(group)
+    if isinstance(tensor_or_nbytes, torch.Tensor):
+        t = tensor_or_nbytes
+        nbytes = _nbytes(t) * (g.size if OP_CLASS[op] in ("all_gather", "gather", "scatter") else 1)
+        device, dtype = t.device.type, t.dtype
+    else:
+        nbytes, device, dtype = int(tensor_or_nbytes), "cpu", torch.float32
+    name, why = rt.selector.explain(op, nbytes, g.size, device, dtype, explicit=backend)
+    return f"{op} of {nbytes} B on group {g.name} (size {g.size}): {name} ({why})"
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check(op: str, t, what: str = "tensor") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in DTYPES:
+        raise UnsupportedError(f"{op}: {what} has unsupported dtype {t.dtype} "
+                               f"(supported: {', '.join(sorted(str(d) for d in DTYPES))})")
+    return t
+
+
+def _same_kind(op: str, ref: torch.Tensor, t: torch.Tensor, what: str) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{op}: {what} has dtype {t.dtype}, expected {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{op}: {what} is on {t.device}, expected {ref.device}")
+
+
+def _contiguous(t: torch.Tensor, written: bool, post: list) -> torch.Tensor:
+    """A contiguous stand-in for ``t``; results are copied back when written."""
+    if t.is_contiguous():
+        return t
+    c = t.contiguous()
+    if written:
+        post.append(lambda: t.copy_(c))
+    return c
+
+
+def _root(op: str, g: Group, global_rank: int, what: str = "src") -> int:
+    if not isinstance(global_rank, int) or isinstance(global_rank, bool):
+        raise TypeError(f"{op}: {what} must be an int rank, got {global_rank!r}")
+    try:
+        return g.group_rank(global_rank)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {what}: {exc}") from None
+
+
+def _reduction(op: str, tensors: Sequence[torch.Tensor], reduce_op, g: Group, post: list,
+               holds_result: bool = True):
+    """Map a reduction to what every backend can do exactly.
+
+    bool -> uint8 with SUM/MAX as logical or, PRODUCT/MIN as logical and;
+    AVG -> SUM, then the rank holding the result divides (floating point
+    only). Returns (tensors, op)."""
+    rop = ReduceOp.coerce(reduce_op)
+    dtype = tensors[0].dtype
+    if dtype == torch.bool:
+        if rop is ReduceOp.AVG:
+            raise UnsupportedError(f"{op}: ReduceOp.AVG is undefined for torch.bool")
+        rop = ReduceOp.MAX if rop in (ReduceOp.SUM, ReduceOp.MAX) else ReduceOp.MIN
+        return [t.view(torch.uint8) for t in tensors], rop
+    if rop is ReduceOp.AVG:
+        if not dtype.is_floating_point:
+            raise UnsupportedError(f"{op}: ReduceOp.AVG on {dtype} is refused (an integer mean "
+                                   "is not exact); use SUM and divide")
+        if holds_result:
+            out, n = tensors[-1], g.size
+            post.insert(0, lambda: out.div_(n))
+        return list(tensors), ReduceOp.SUM
+    return list(tensors), rop
+
+
+def _fingerprint(rt: Runtime, g: Group, op: str, backend: Optional[str], **fields) -> None:
+    """Debug mode: all ranks compare what they are about to issue."""
+    g.seq += 1
+    mine = {"seq": g.seq, "op": op, "backend": backend, **fields}
+    blobs = _control_allgather(rt, g, json.dumps(mine, sort_keys=True, default=str).encode())
+    prints = [json.loads(b) for b in blobs]
+    keys = sorted({k for p in prints for k in p})
+    differ = [k for k in keys if len({json.dumps(p.get(k), sort_keys=True) for p in prints}) > 1]
+    if differ:
+        detail = "; ".join(f"rank {g.ranks[i]}: " + ", ".join(f"{k}={p.get(k)}" for k in differ)
+                           for i, p in enumerate(prints))
+        raise CommError(f"collective mismatch on group {g.name} at collective #{g.seq}: fields "
+                        f"{differ} differ across ranks ({detail})")
+
+
+def _control_backend(rt: Runtime) -> str:
+    return "mpi" if "mpi" in rt.backends else next(
+        n for n, b in rt.backends.items() if "cpu" in b.devices)
+
+
+def _control(rt: Runtime, g: Group, start: Callable, what: str) -> None:
+    """Run a small synchronous control collective (agreement, fingerprints)."""
+    name = _control_backend(rt)
+    pending = start(rt.backends[name], g.handles[name])
+    rt.engine.run(Work(rt.engine, what, name, pending, timeout=g.timeout), async_op=False)
+
+
+def _control_max(rt: Runtime, g: Group, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    _control(rt, g, lambda b, h: b.all_reduce(h, t, ReduceOp.MAX), "size agreement")
+    return int(t[0])
+
+
+def _control_allgather(rt: Runtime, g: Group, data: bytes) -> list[bytes]:
+    n = _control_max(rt, g, len(data))
+    mine = torch.zeros(n + 8, dtype=torch.uint8)
+    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(g.size * (n + 8), dtype=torch.uint8)
+    _control(rt, g, lambda b, h: b.all_gather_into_tensor(h, out, mine), "fingerprint exchange")
+    rows = out.view(g.size, n + 8)
+    return [bytes(r[8:8 + int(r[:8].view(torch.int64))].tolist()) for r in rows]
+
+
+def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optional[str],
+            async_op: bool, start: Callable, reads=(), writes=(), post=(), result=(),
+            reduce_op=None, collective: bool = True, invariant=None, agree: bool = False):
+    """Select, check order, start and track one operation."""
+    rt = _runtime
+    sel = rt.selector
+    device = ref.device.type
+    if agree or (rt.debug and collective):
+        if rt.debug and collective:
+            _fingerprint(rt, g, op, None if agree else
+                         sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit),
+                         dtype=str(ref.dtype), device=device, shape=invariant, explicit=explicit)
+        if agree and sel.needs_agreement(op, g.size, explicit):
+            nbytes = _control_max(rt, g, nbytes)
+    name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
+    engine = rt.engine
+    if engine.outstanding:
+        engine.order_before(reads, writes, op, name)
+    try:
+        pending = start(rt.backends[name], g.handles[name])
+    except Exception as exc:
+        raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
+    return engine.run(Work(engine, op, name, pending, reads, writes, post, g.timeout, result),
+                      async_op)
+
+
+def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
+    """Zero-byte collective: every rank agrees (sizes are rank-invariant) to do nothing."""
+    if not async_op:
+        return None
+    work = Work(rt.engine, op, "none", Done(), result=result)
+    work._finish()
+    return work
+
+
+# -- collectives --------------------------------------------------------------------------
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = None,
+               async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
+    """Reduce ``tensor`` across the group, in place on every rank."""
+    g = _group(group)
+    _check("all_reduce", tensor)
+    if g.rank < 0:
+        return None
+    post: list = []
+    (t,), rop = _reduction("all_reduce", [_contiguous(tensor, True, post)], op, g, post)
+    nbytes = _nbytes(tensor)
+    if nbytes == 0:
+        return _skip(_runtime, "all_reduce", async_op, [tensor])
+    return _submit("all_reduce", g, nbytes, tensor, backend, async_op,
+                   lambda b, h: b.all_reduce(h, t, rop), reads=(tensor,), writes=(tensor,),
+                   post=post, result=[tensor], reduce_op=rop, invariant=list(tensor.shape))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
+              async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    g = _group(group)
+    _check("broadcast", tensor)
+    if g.rank < 0:
+        return None
+    root = _root("broadcast", g, src)
+    post: list = []
+    t = _contiguous(tensor, True, post)
+    nbytes = _nbytes(tensor)
+    if nbytes == 0:
+        return _skip(_runtime, "broadcast", async_op, [tensor])
+    return _submit("broadcast", g, nbytes, tensor, backend, async_op,
+                   lambda b, h: b.broadcast(h, t, root), reads=(tensor,), writes=(tensor,),
+                   post=post, result=[tensor], invariant=[list(tensor.shape), src])
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
+           async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
+    """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are scratch)."""
+    g = _group(group)
+    _check("reduce", tensor)
+    if g.rank < 0:
+        return None
+    root = _root("reduce", g, dst, "dst")
+    post: list = []
+    (t,), rop = _reduction("reduce", [_contiguous(tensor, True, post)], op, g, post,
+                           holds_result=g.rank == root)
+    nbytes = _nbytes(tensor)
+    if nbytes == 0:
+        return _skip(_runtime, "reduce", async_op, [tensor])
+    return _submit("reduce", g, nbytes, tensor, backend, async_op,
+                   lambda b, h: b.reduce(h, t, root, rop), reads=(tensor,), writes=(tensor,),
+                   post=post, result=[tensor], reduce_op=rop, invariant=[list(tensor.shape), dst])
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: Optional[Group] = None, async_op: bool = False,
+                           backend: Optional[str] = None) -> Optional[Work]:
+    """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (dim 0)."""
+    op = "all_gather_into_tensor"
+    g = _group(group)
+    _check(op, output_tensor, "output_tensor")
+    _check(op, input_tensor, "input_tensor")
+    _same_kind(op, input_tensor, output_tensor, "output_tensor")
+    if output_tensor.numel() != input_tensor.numel() * g.size:
+        raise ValueError(f"{op}: output_tensor has {output_tensor.numel()} elements, expected "
+                         f"{input_tensor.numel()} x {g.size} ranks = {input_tensor.numel() * g.size}")
+    if g.rank < 0:
+        return None
+    post: list = []
+    out = _contiguous(output_tensor, True, post)
+    inp = _contiguous(input_tensor, False, post)
+    nbytes = _nbytes(output_tensor)
+    if nbytes == 0:
+        return _skip(_runtime, op, async_op, [output_tensor])
+    return _submit(op, g, nbytes, input_tensor, backend, async_op,
+                   lambda b, h: b.all_gather_into_tensor(h, out, inp),
+                   reads=(input_tensor,), writes=(output_tensor,), post=post,
+                   result=[output_tensor], invariant=list(input_tensor.shape))
+
+
+def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[Group] = None,
+               async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
+    op = "all_gather"
+    g = _group(group)
+    _check(op, tensor)
+    _check_list(op, tensor_list, "tensor_list", tensor, g.size)
+    if g.rank < 0:
+        return None
+    flat = tensor.new_empty(g.size * tensor.numel())
+    post = [_unpack(flat, tensor_list)]
+    inp = tensor.contiguous()
+    if flat.numel() == 0:
+        return _skip(_runtime, op, async_op, tensor_list)
+    return _submit(op, g, _nbytes(flat), tensor, backend, async_op,
+                   lambda b, h: b.all_gather_into_tensor(h, flat, inp.view(-1)),
+                   reads=(tensor,), writes=tuple(tensor_list), post=post, result=tensor_list,
+                   invariant=list(tensor.shape))
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                          group: Optional[Group] = None, async_op: bool = False,
+                          backend: Optional[str] = None) -> Optional[Work]:
+    """Reduce ``input`` across ranks and leave block ``rank`` of it in ``output``."""
+    name = "reduce_scatter_tensor"
+    g = _group(group)
+    _check(name, output, "output")
+    _check(name, input, "input")
+    _same_kind(name, output, input, "input")
+    if input.numel() != output.numel() * g.size:
+        raise ValueError(f"{name}: input has {input.numel()} elements, expected "
+                         f"{output.numel()} x {g.size} ranks = {output.numel() * g.size}")
+    if g.rank < 0:
+        return None
+    post: list = []
+    out = _contiguous(output, True, post)
+    inp = _contiguous(input, False, post)
+    (inp, out), rop = _reduction(name, [inp, out], op, g, post)
+    nbytes = _nbytes(input)
+    if nbytes == 0:
+        return _skip(_runtime, name, async_op, [output])
+    return _submit(name, g, nbytes, output, backend, async_op,
+                   lambda b, h: b.reduce_scatter_tensor(h, out, inp, rop),
+                   reads=(input,), writes=(output,), post=post, result=[output],
+                   reduce_op=rop, invariant=list(output.shape))
+
+
+def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=ReduceOp.SUM,
+                   group: Optional[Group] = None, async_op: bool = False,
+                   backend: Optional[str] = None) -> Optional[Work]:
+    """Reduce ``input_list[i]`` across ranks into ``output`` on group rank ``i``."""
+    name = "reduce_scatter"
+    g = _group(group)
+    _check(name, output, "output")
+    _check_list(name, input_list, "input_list", output, g.size)
+    if g.rank < 0:
+        return None
+    post: list = []
+    out = _contiguous(output, True, post)
+    flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
+    (flat, out), rop = _reduction(name, [flat, out], op, g, post)
+    if flat.numel() == 0:
+        return _skip(_runtime, name, async_op, [output])
+    return _submit(name, g, _nbytes(flat), output, backend, async_op,
+                   lambda b, h: b.reduce_scatter_tensor(h, out.view(-1), flat, rop),
+                   reads=tuple(input_list), writes=(output,), post=post, result=[output],
+                   reduce_op=rop, invariant=list(output.shape))
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
+           group: Optional[Group] = None, async_op: bool = False,
+           backend: Optional[str] = None) -> Optional[Work]:
+    """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
+    op = "gather"
+    g = _group(group)
+    _check(op, tensor)
+    if g.rank < 0:
+        return None
+    root = _root(op, g, dst, "dst")
+    flat = None
+    post: list = []
+    if g.rank == root:
+        _check_list(op, gather_list, "gather_list", tensor, g.size)
+        flat = tensor.new_empty(g.size * tensor.numel())
+        post.append(_unpack(flat, gather_list))
+    elif gather_list:
+        raise ValueError(f"{op}: gather_list must be None or empty on non-destination rank {get_rank()}")
+    inp = tensor.contiguous().view(-1)
+    if tensor.numel() == 0:
+        return _skip(_runtime, op, async_op, gather_list or [])
+    return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
+                   lambda b, h: b.gather(h, flat, inp, root), reads=(tensor,),
+                   writes=tuple(gather_list or ()), post=post, result=gather_list or [],
+                   invariant=[list(tensor.shape), dst])
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
+            group: Optional[Group] = None, async_op: bool = False,
+            backend: Optional[str] = None) -> Optional[Work]:
+    """Scatter ``scatter_list[i]`` from global rank ``src`` to group rank ``i``'s ``tensor``."""
+    op = "scatter"
+    g = _group(group)
+    _check(op, tensor)
+    if g.rank < 0:
+        return None
+    root = _root(op, g, src)
+    flat = None
+    if g.rank == root:
+        _check_list(op, scatter_list, "scatter_list", tensor, g.size)
+        flat = torch.cat([t.reshape(-1) for t in scatter_list])
+    elif scatter_list:
+        raise ValueError(f"{op}: scatter_list must be None or empty on non-source rank {get_rank()}")
+    post: list = []
+    out = _contiguous(tensor, True, post)
+    if tensor.numel() == 0:
+        return _skip(_runtime, op, async_op, [tensor])
+    return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
+                   lambda b, h: b.scatter(h, out.view(-1), flat, root),
+                   reads=tuple(scatter_list or ()), writes=(tensor,), post=post, result=[tensor],
+                   invariant=[list(tensor.shape), src])
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None, group: Optional[Group] = None,
+                      async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
+    """Split ``input`` along dim 0, send block ``i`` to group rank ``i``, and
+    concatenate what arrives into ``output`` (uneven with split sizes)."""
+    op = "all_to_all_single"
+    g = _group(group)
+    _check(op, output, "output")
+    _check(op, input, "input")
+    _same_kind(op, input, output, "output")
+    if g.rank < 0:
+        return None
+    in_rows = _splits(op, "input", input, input_split_sizes, g.size)
+    out_rows = _splits(op, "output", output, output_split_sizes, g.size)
+    row_in, row_out = _row(input), _row(output)
+    if row_in != row_out:
+        raise ValueError(f"{op}: input rows have {row_in} elements but output rows have {row_out}")
+    post: list = []
+    out = _contiguous(output, True, post)
+    inp = _contiguous(input, False, post)
+    in_counts = [r * row_in for r in in_rows]
+    out_counts = [r * row_in for r in out_rows]
+    return _submit(op, g, _nbytes(input), input, backend, async_op,
+                   lambda b, h: b.all_to_all_single(h, out.view(-1), inp.view(-1), out_counts, in_counts),
+                   reads=(input,), writes=(output,), post=post, result=[output],
+                   invariant=list(input.shape[1:]), agree=True)
+
+
+def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
+               group: Optional[Group] = None, async_op: bool = False,
+               backend: Optional[str] = None) -> Optional[Work]:
+    """Send ``input_tensor_list[i]`` to group rank ``i``; receive into ``output_tensor_list``."""
+    op = "all_to_all"
+    g = _group(group)
+    for what, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
+        if not isinstance(lst, (list, tuple)) or len(lst) != g.size:
+            raise ValueError(f"{op}: {what} must be a list of {g.size} tensors")
+        for i, t in enumerate(lst):
+            _check(op, t, f"{what}[{i}]")
+            _same_kind(op, input_tensor_list[0], t, f"{what}[{i}]")
+    if g.rank < 0:
+        return None
+    ref = input_tensor_list[0]
+    flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    flat_out = ref.new_empty(sum(t.numel() for t in output_tensor_list))
+    in_counts = [t.numel() for t in input_tensor_list]
+    out_counts = [t.numel() for t in output_tensor_list]
+    return _submit(op, g, _nbytes(flat_in), ref, backend, async_op,
+                   lambda b, h: b.all_to_all_single(h, flat_out, flat_in, out_counts, in_counts),
+                   reads=tuple(input_tensor_list), writes=tuple(output_tensor_list),
+                   post=[_unpack(flat_out, output_tensor_list)], result=list(output_tensor_list),
+                   invariant=None, agree=True)
+
+
+def barrier(group: Optional[Group] = None, async_op: bool = False,
+            backend: Optional[str] = None) -> Optional[Work]:
+    """Wait until every rank of the group reached this barrier."""
+    g = _group(group)
+    if g.rank < 0:
+        return None
+    return _submit("barrier", g, 0, _BARRIER_REF, backend, async_op, lambda b, h: b.barrier(h))
+
+
+_BARRIER_REF = torch.empty(0, dtype=torch.uint8)
+
+
+# -- point to point -----------------------------------------------------------------------
+def isend(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
+          backend: Optional[str] = None) -> Optional[Work]:
+    """Start sending ``tensor`` to global rank ``dst``."""
+    return _p2p("isend", tensor, dst, group, tag, backend, True)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Optional[Group] = None, tag: int = 0,
+          backend: Optional[str] = None) -> Optional[Work]:
+    """Start receiving into ``tensor`` from global rank ``src``."""
+    return _p2p("irecv", tensor, src, group, tag, backend, True)
+
+
+def send(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
+         backend: Optional[str] = None) -> None:
+    """Send ``tensor`` to global rank ``dst`` and wait until it is sent."""
+    _p2p("send", tensor, dst, group, tag, backend, False)
+
+
+def recv(tensor: torch.Tensor, src: int, group: Optional[Group] = None, tag: int = 0,
+         backend: Optional[str] = None) -> int:
+    """Receive into ``tensor`` from global rank ``src``; returns ``src``."""
+    _p2p("recv", tensor, src, group, tag, backend, False)
+    return src
+
+
+def _p2p(op: str, tensor, peer, group, tag, backend, async_op):
+    g = _group(group)
+    _check(op, tensor)
+    if g.rank < 0:
+        return None
+    what = "dst" if op in ("send", "isend") else "src"
+    if peer is None:
+        raise ValueError(f"{op}: {what} is required (receiving from any source is not supported)")
+    gpeer = _root(op, g, peer, what)
+    if gpeer == g.rank:
+        raise ValueError(f"{op}: {what}={peer} is this rank itself")
+    if not isinstance(tag, int) or tag < 0:
+        raise ValueError(f"{op}: tag must be a non-negative int, got {tag!r}")
+    post: list = []
+    sending = op in ("send", "isend")
+    t = _contiguous(tensor, not sending, post)
+    if sending:
+        start = lambda b, h: b.send(h, t, gpeer, tag)
+        reads, writes = (tensor,), ()
+    else:
+        start = lambda b, h: b.recv(h, t, gpeer, tag)
+        reads, writes = (), (tensor,)
+    return _submit(op, g, _nbytes(tensor), tensor, backend, async_op, start, reads=reads,
+                   writes=writes, post=post, result=[tensor], collective=False)
+
+
+def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
+    """Start every send/recv of the list; returns one work per op."""
+    if not p2p_op_list:
+        raise ValueError("batch_isend_irecv: p2p_op_list is empty")
+    works = []
+    for i, p in enumerate(p2p_op_list):
+        if not isinstance(p, P2POp):
+            raise TypeError(f"batch_isend_irecv: item {i} is {type(p).__name__}, expected P2POp")
+        fn = getattr(p.op, "__name__", "")
+        if fn not in ("isend", "irecv"):
+            raise ValueError(f"batch_isend_irecv: item {i}: op must be mcrdl.isend or mcrdl.irecv")
+        works.append(_p2p(fn, p.tensor, p.peer, p.group, p.tag, p.backend, True))
+    return works
+
+
+# -- argument helpers -----------------------------------------------------------------------
+def _check_list(op: str, lst, what: str, ref: torch.Tensor, size: int) -> None:
+    if not isinstance(lst, (list, tuple)) or len(lst) != size:
+        raise ValueError(f"{op}: {what} must be a list of {size} tensors (one per rank), "
+                         f"got {type(lst).__name__ if not isinstance(lst, (list, tuple)) else len(lst)}")
+    for i, t in enumerate(lst):
+        _check(op, t, f"{what}[{i}]")
+        _same_kind(op, ref, t, f"{what}[{i}]")
+        if t.numel() != ref.numel():
+            raise ValueError(f"{op}: {what}[{i}] has {t.numel()} elements, expected {ref.numel()}")
+
+
+def _unpack(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> Callable[[], None]:
+    def copy_out() -> None:
+        offset = 0
+        for t in outs:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view(t.shape))
+            offset += n
+    return copy_out
+
+
+def _row(t: torch.Tensor) -> int:
+    """Elements per dim-0 row."""
+    n = 1
+    for s in t.shape[1:]:
+        n *= s
+    return n
+
+
+def _splits(op: str, what: str, t: torch.Tensor, splits, size: int) -> list[int]:
+    """Rows per peer along dim 0 (even when ``splits`` is None or empty)."""
+    rows = t.shape[0] if t.dim() else t.numel()
+    if not splits:
+        if rows % size:
+            raise ValueError(f"{op}: {what} has {rows} rows, not divisible by the group size "
+                             f"{size}; pass {what}_split_sizes")
+        return [rows // size] * size
+    if len(splits) != size or any(not isinstance(s, int) or s < 0 for s in splits):
+        raise ValueError(f"{op}: {what}_split_sizes must be {size} non-negative ints, got {list(splits)}")
+    if sum(splits) != rows:
+        raise ValueError(f"{op}: {what}_split_sizes sum to {sum(splits)} but {what} has {rows} rows")
+    return list(splits)

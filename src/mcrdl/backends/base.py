@@ -1,0 +1,107 @@
+"""The small interface every backend implements.
+
+The API layer hands a backend only what it can run: contiguous tensors on a
+device the backend supports, reductions other than AVG, no bool reductions,
+and flat buffers for the gather/scatter/all-to-all families (list variants are
+packed by the API). Each method starts the operation and returns a
+:class:`~mcrdl.work.Pending`; it never blocks.
+
+Group ranks (``root``, ``peer``) are ranks *within* the group.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..types import ReduceOp
+from ..work import Pending
+
+#: Operations the runtime routes to backends (list variants map onto these).
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+       "gather", "scatter", "all_to_all_single", "barrier", "send", "recv")
+
+
+class Context:
+    """What a backend may use while starting: identity, launcher handles, timeout."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, mpi_comm: Any = None,
+                 store: Any = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.mpi_comm = mpi_comm
+        self.store = store
+
+
+class Backend:
+    """Base class: subclasses set ``name``/``devices`` and implement the ops."""
+
+    name: str = ""
+    #: Device types this backend accepts (``"cpu"``, ``"cuda"``).
+    devices: frozenset = frozenset({"cpu"})
+
+    @classmethod
+    def unavailable_reason(cls, ctx: Context) -> Optional[str]:
+        """Why this backend cannot start in this job, or None if it can."""
+        return None
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def unsupported(self, op: str, dtype: torch.dtype, reduce_op: Optional[ReduceOp]) -> Optional[str]:
+        """Why this backend cannot run ``op`` on ``dtype`` correctly, or None."""
+        return None
+
+    def version(self) -> str:
+        return ""
+
+    def new_group(self, ranks: Sequence[int], group_rank: int, tag: str) -> Any:
+        """Create this backend's handle for a group; called on every rank of the
+        world in the same order (``group_rank`` is -1 on non-members, which
+        may return None)."""
+        raise NotImplementedError
+
+    def destroy_group(self, handle: Any) -> None:
+        """Release a group handle."""
+
+    def shutdown(self) -> None:
+        """Release everything this backend holds."""
+
+    # Operations: each returns a Pending and never blocks.
+    def all_reduce(self, h, tensor: torch.Tensor, op: ReduceOp) -> Pending:
+        raise NotImplementedError
+
+    def broadcast(self, h, tensor: torch.Tensor, root: int) -> Pending:
+        raise NotImplementedError
+
+    def reduce(self, h, tensor: torch.Tensor, root: int, op: ReduceOp) -> Pending:
+        raise NotImplementedError
+
+    def all_gather_into_tensor(self, h, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        raise NotImplementedError
+
+    def reduce_scatter_tensor(self, h, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Pending:
+        raise NotImplementedError
+
+    def gather(self, h, output: Optional[torch.Tensor], input: torch.Tensor, root: int) -> Pending:
+        """``output`` (root only) is a flat buffer of ``size * input.numel()``."""
+        raise NotImplementedError
+
+    def scatter(self, h, output: torch.Tensor, input: Optional[torch.Tensor], root: int) -> Pending:
+        """``input`` (root only) is a flat buffer of ``size * output.numel()``."""
+        raise NotImplementedError
+
+    def all_to_all_single(self, h, output: torch.Tensor, input: torch.Tensor,
+                          output_counts: Sequence[int], input_counts: Sequence[int]) -> Pending:
+        """1-D tensors; counts are element counts per peer."""
+        raise NotImplementedError
+
+    def barrier(self, h) -> Pending:
+        raise NotImplementedError
+
+    def send(self, h, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        raise NotImplementedError
+
+    def recv(self, h, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        raise NotImplementedError

@@ -1,0 +1,193 @@
+"""MPI backend: mpi4py over the MPI library the job was launched with.
+
+CPU tensors are handed to MPI zero-copy as raw buffers (address, count,
+datatype): no ``.numpy()``, no DLPack round trip, no pickling. CUDA tensors go
+through DLPack only when the MPI is CUDA-aware (``MCRDL_MPI_CUDA_AWARE=1``),
+after the producing stream finished. MPI has no bfloat16: data movement
+sends its bytes as 16-bit words, reductions run in float32 and round back.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from ..types import ReduceOp
+from ..work import Pending, spin_until
+from .base import Backend, Context
+
+
+def mpi_launched() -> bool:
+    """True when an MPI launcher (Hydra, Open MPI, PMIx, Slurm+PMI) started us."""
+    return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+                                         "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID"))
+
+
+def import_mpi():
+    """Import mpi4py with full thread support (the future helper thread polls too)."""
+    import mpi4py
+
+    mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI
+
+    return MPI
+
+
+class MPIPending(Pending):
+    """An mpi4py request; MPI progresses only inside MPI calls."""
+
+    progress_domain = "mpi"
+    __slots__ = ("req",)
+
+    def __init__(self, req):
+        self.req = req
+
+    def test(self) -> bool:
+        return self.req.Test()
+
+    def block(self, deadline: float) -> bool:
+        return spin_until(self.req.Test, deadline)
+
+
+class MPIBackend(Backend):
+    name = "mpi"
+
+    @classmethod
+    def unavailable_reason(cls, ctx: Context) -> Optional[str]:
+        if ctx.mpi_comm is None:
+            return "the job was not started by an MPI launcher (use `mcrdl run` or mpiexec)"
+        return None
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        MPI = self.MPI = import_mpi()
+        self.cuda_aware = os.environ.get("MCRDL_MPI_CUDA_AWARE", "0") == "1"
+        self.devices = frozenset({"cpu", "cuda"} if self.cuda_aware else {"cpu"})
+        # Datatypes used to move bytes (every dtype) and to reduce (not bf16/bool).
+        self.move_types = {
+            torch.float16: MPI.UINT16_T, torch.bfloat16: MPI.UINT16_T, torch.float32: MPI.FLOAT,
+            torch.float64: MPI.DOUBLE, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
+            torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
+            torch.bool: MPI.UINT8_T,
+        }
+        self.reduce_types = {
+            torch.float16: MPI.FLOAT16_T, torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
+            torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T, torch.int16: MPI.INT16_T,
+            torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T,
+        }
+        if MPI.FLOAT16_T == MPI.DATATYPE_NULL:
+            del self.reduce_types[torch.float16]
+        self.reduce_ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
+                           ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
+
+    def version(self) -> str:
+        return self.MPI.Get_library_version().splitlines()[0].strip()
+
+    def unsupported(self, op, dtype, reduce_op):
+        if dtype not in self.move_types:
+            return f"MPI backend has no datatype for {dtype}"
+        return None
+
+    def new_group(self, ranks, group_rank, tag):
+        world = self.ctx.mpi_comm
+        if len(ranks) == world.Get_size():
+            return world.Dup()
+        color = 0 if group_rank >= 0 else self.MPI.UNDEFINED
+        comm = world.Split(color, group_rank)
+        return None if comm == self.MPI.COMM_NULL else comm
+
+    def destroy_group(self, handle):
+        if handle is not None:
+            handle.Free()
+
+    # -- buffers -----------------------------------------------------------------
+    def _buf(self, t: torch.Tensor, types=None):
+        """Zero-copy [buffer, count, datatype] for a contiguous tensor."""
+        dt = (types or self.move_types)[t.dtype]
+        if t.is_cuda:
+            torch.cuda.current_stream(t.device).synchronize()
+            return [t, t.numel(), dt]
+        return [self.MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), t.numel(), dt]
+
+    def _reduction(self, tensors, start):
+        """Run a reduction; bf16 (no MPI type) runs in float32 and rounds back."""
+        if tensors[0].dtype in self.reduce_types:
+            return MPIPending(start(*[None if t is None else self._buf(t, self.reduce_types)
+                                      for t in tensors]))
+        wide = [None if t is None else t.float() for t in tensors]
+        pending = MPIPending(start(*[None if w is None else self._buf(w, self.reduce_types)
+                                    for w in wide]))
+        return _CopyBack(pending, tensors[-1], wide[-1])
+
+    # -- operations --------------------------------------------------------------
+    def all_reduce(self, comm, tensor, op):
+        mop = self.reduce_ops[op]
+        return self._reduction([tensor], lambda b: comm.Iallreduce(self.MPI.IN_PLACE, b, mop))
+
+    def broadcast(self, comm, tensor, root):
+        return MPIPending(comm.Ibcast(self._buf(tensor), root))
+
+    def reduce(self, comm, tensor, root, op):
+        mop, MPI = self.reduce_ops[op], self.MPI
+        if comm.Get_rank() == root:
+            return self._reduction([tensor], lambda b: comm.Ireduce(MPI.IN_PLACE, b, mop, root))
+        return self._reduction([tensor], lambda b: comm.Ireduce(b, None, mop, root))
+
+    def all_gather_into_tensor(self, comm, output, input):
+        return MPIPending(comm.Iallgather(self._buf(input), self._buf(output)))
+
+    def reduce_scatter_tensor(self, comm, output, input, op):
+        mop = self.reduce_ops[op]
+        return self._reduction([input, output],
+                               lambda i, o: comm.Ireduce_scatter_block(i, o, mop))
+
+    def gather(self, comm, output, input, root):
+        out = self._buf(output) if output is not None else None
+        return MPIPending(comm.Igather(self._buf(input), out, root))
+
+    def scatter(self, comm, output, input, root):
+        inp = self._buf(input) if input is not None else None
+        return MPIPending(comm.Iscatter(inp, self._buf(output), root))
+
+    def all_to_all_single(self, comm, output, input, output_counts, input_counts):
+        ib, ob = self._buf(input), self._buf(output)
+        return MPIPending(comm.Ialltoallv([ib[0], (input_counts, _displs(input_counts)), ib[2]],
+                                          [ob[0], (output_counts, _displs(output_counts)), ob[2]]))
+
+    def barrier(self, comm):
+        return MPIPending(comm.Ibarrier())
+
+    def send(self, comm, tensor, peer, tag):
+        return MPIPending(comm.Isend(self._buf(tensor), peer, tag))
+
+    def recv(self, comm, tensor, peer, tag):
+        return MPIPending(comm.Irecv(self._buf(tensor), peer, tag))
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+class _CopyBack(Pending):
+    """Finishes a widened (float32) reduction by rounding into the bf16 tensor."""
+
+    progress_domain = "mpi"
+
+    def __init__(self, inner: MPIPending, target: torch.Tensor, wide: torch.Tensor):
+        self.inner, self.target, self.wide = inner, target, wide
+
+    def _copy(self, done: bool) -> bool:
+        if done:
+            self.target.copy_(self.wide)
+        return done
+
+    def test(self) -> bool:
+        return self._copy(self.inner.test())
+
+    def block(self, deadline: float) -> bool:
+        return self._copy(self.inner.block(deadline))

@@ -1,0 +1,184 @@
+"""``torch.distributed`` process-group backends: ``gloo`` (CPU) and ``nccl`` (CUDA).
+
+Process groups are constructed directly on mcrdl's own store (no
+``torch.distributed.init_process_group``), so torch's global default group
+stays free for the user's code.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..types import ReduceOp
+from ..work import Pending
+from .base import Backend, Context
+
+_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+              ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
+
+
+class TorchPending(Pending):
+    """A c10d ``Work``. Gloo progresses on its own threads, but for some ops
+    (reduce_scatter, send, recv) ``is_completed()`` stays False until
+    ``wait()`` is called, so a mixed wait hands ``wait()`` to a helper thread."""
+
+    __slots__ = ("work", "_waiter", "_error")
+
+    def __init__(self, work):
+        self.work = work
+        self._waiter: Optional[threading.Event] = None
+        self._error: Optional[BaseException] = None
+
+    def test(self) -> bool:
+        if self._waiter is not None:
+            if not self._waiter.is_set():
+                return False
+            if self._error is not None:
+                raise self._error
+            return True
+        if self.work.is_completed():
+            self.work.wait()  # raises if the work failed
+            return True
+        return False
+
+    def block(self, deadline: float) -> bool:
+        remaining = deadline - time.monotonic()
+        if self._waiter is not None:
+            return self._waiter.wait(max(remaining, 0)) and self.test()
+        try:
+            self.work.wait(timedelta(seconds=max(remaining, 0.001)))
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() and time.monotonic() >= deadline:
+                return False
+            raise
+        return True
+
+    def prepare_poll(self) -> None:
+        if self._waiter is None:
+            self._waiter = threading.Event()
+            threading.Thread(target=self._wait_in_background, daemon=True,
+                             name="mcrdl-torch-wait").start()
+
+    def _wait_in_background(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as exc:
+            self._error = exc
+        self._waiter.set()
+
+
+class TorchBackend(Backend):
+    """A torch.distributed process-group library; subclasses name it."""
+
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        self._groups = 0
+
+    def version(self) -> str:
+        return f"torch {torch.__version__}"
+
+    def _make_pg(self, store, group_rank: int, size: int):
+        raise NotImplementedError
+
+    def new_group(self, ranks, group_rank, tag):
+        if group_rank < 0:
+            return None
+        store = dist.PrefixStore(f"mcrdl/{self.name}/{tag}/", self.ctx.store)
+        return self._make_pg(store, group_rank, len(ranks))
+
+    def destroy_group(self, handle):
+        if handle is not None and hasattr(handle, "shutdown"):
+            handle.shutdown()
+
+    # -- operations --------------------------------------------------------------
+    def all_reduce(self, pg, tensor, op):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        return TorchPending(pg.allreduce([tensor], opts))
+
+    def broadcast(self, pg, tensor, root):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return TorchPending(pg.broadcast([tensor], opts))
+
+    def reduce(self, pg, tensor, root, op):
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = root, _TORCH_OPS[op]
+        return TorchPending(pg.reduce([tensor], opts))
+
+    def all_gather_into_tensor(self, pg, output, input):
+        return TorchPending(pg._allgather_base(output, input))
+
+    def reduce_scatter_tensor(self, pg, output, input, op):
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        return TorchPending(pg._reduce_scatter_base(output, input, opts))
+
+    def gather(self, pg, output, input, root):
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        outputs = [list(output.chunk(pg.size()))] if output is not None else []
+        return TorchPending(pg.gather(outputs, [input], opts))
+
+    def scatter(self, pg, output, input, root):
+        opts = dist.ScatterOptions()
+        opts.rootRank = root
+        inputs = [list(input.chunk(pg.size()))] if input is not None else []
+        return TorchPending(pg.scatter([output], inputs, opts))
+
+    def all_to_all_single(self, pg, output, input, output_counts, input_counts):
+        return TorchPending(pg.alltoall_base(output, input, list(output_counts),
+                                             list(input_counts), dist.AllToAllOptions()))
+
+    def barrier(self, pg):
+        return TorchPending(pg.barrier(dist.BarrierOptions()))
+
+    def send(self, pg, tensor, peer, tag):
+        return TorchPending(pg.send([tensor], peer, tag))
+
+    def recv(self, pg, tensor, peer, tag):
+        return TorchPending(pg.recv([tensor], peer, tag))
+
+
+class GlooBackend(TorchBackend):
+    name = "gloo"
+    devices = frozenset({"cpu"})
+
+    @classmethod
+    def unavailable_reason(cls, ctx):
+        if not dist.is_gloo_available():
+            return "this torch build has no gloo"
+        if ctx.store is None:
+            return "no rendezvous store"
+        return None
+
+    def _make_pg(self, store, group_rank, size):
+        return dist.ProcessGroupGloo(store, group_rank, size, timedelta(seconds=self.ctx.timeout))
+
+
+class NCCLBackend(TorchBackend):
+    name = "nccl"
+    devices = frozenset({"cuda"})
+
+    @classmethod
+    def unavailable_reason(cls, ctx):
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+        if not dist.is_nccl_available():
+            return "this torch build has no NCCL"
+        if ctx.store is None:
+            return "no rendezvous store"
+        return None
+
+    def version(self):
+        return "nccl " + ".".join(map(str, torch.cuda.nccl.version()))
+
+    def _make_pg(self, store, group_rank, size):
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=self.ctx.timeout)
+        return dist.ProcessGroupNCCL(store, group_rank, size, opts)

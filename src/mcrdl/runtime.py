@@ -1,0 +1,162 @@
+"""Process-group lifecycle: start the backends of one job, and groups over them."""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from datetime import timedelta
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+from .backends import REGISTRY, Backend, Context
+from .backends.mpi import import_mpi, mpi_launched
+from .selector import Selector
+from .tuning import TuningTable
+from .work import Engine, _seconds
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class Group:
+    """A set of ranks usable with every live backend (an MPI communicator and
+    a torch process group behind one object)."""
+
+    __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "_index")
+
+    def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str):
+        self.ranks = tuple(ranks)
+        self._index = {r: i for i, r in enumerate(self.ranks)}
+        self.rank = self._index.get(my_global_rank, -1)  # -1: not a member
+        self.size = len(self.ranks)
+        self.timeout = timeout
+        self.name = name
+        self.handles: dict[str, object] = {}
+        self.seq = 0  # collectives issued (debug mode fingerprints)
+
+    def __repr__(self) -> str:
+        return f"<mcrdl.Group {self.name} ranks={list(self.ranks)}>"
+
+    def group_rank(self, global_rank: int) -> int:
+        try:
+            return self._index[global_rank]
+        except KeyError:
+            raise ValueError(f"rank {global_rank} is not in group {self.name} "
+                             f"(ranks {list(self.ranks)})") from None
+
+
+class Runtime:
+    """Everything one initialised job holds. Created by
+    :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
+
+    def __init__(self, backends: Optional[Iterable[str]], default_backend: Optional[str],
+                 timeout: float, op_backends: Optional[Mapping[str, str]],
+                 tuning_table: Union[None, str, dict, TuningTable], debug: Optional[bool]):
+        requested = list(REGISTRY) if backends is None else list(backends)
+        for name in requested:
+            if name not in REGISTRY:
+                raise ValueError(f"unknown backend {name!r} (registered: {', '.join(REGISTRY)})")
+        self.timeout = timeout
+        self.engine = Engine()
+        self.mpi_comm = None
+        self.store = None
+        self._launch()
+        self.unavailable: dict[str, str] = {}
+        self.backends: dict[str, Backend] = {}
+        if self.store is None and any(n in requested for n in ("gloo", "nccl")):
+            self.store = self._make_store()
+        ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store)
+        for name in requested:
+            reason = REGISTRY[name].unavailable_reason(ctx)
+            if reason is None:
+                self.backends[name] = REGISTRY[name](ctx)
+            else:
+                self.unavailable[name] = reason
+                if backends is not None:
+                    warnings.warn(f"mcrdl: backend {name!r} requested but not started: {reason}")
+        if not self.backends:
+            raise RuntimeError("mcrdl: no backend could start: " + "; ".join(
+                f"{n}: {r}" for n, r in self.unavailable.items()))
+        default = default_backend or os.environ.get("MCRDL_DEFAULT_BACKEND") or next(iter(self.backends))
+        if default not in self.backends:
+            raise ValueError(f"default backend {default!r} is not live (live: {', '.join(self.backends)}"
+                             + "".join(f"; {n}: {r}" for n, r in self.unavailable.items()) + ")")
+        self.default_backend = default
+        tuning_table = tuning_table if tuning_table is not None else os.environ.get("MCRDL_TUNING_TABLE") or None
+        if isinstance(tuning_table, str):
+            tuning_table = TuningTable.load(tuning_table, REGISTRY, self.backends)
+        elif isinstance(tuning_table, dict):
+            tuning_table = TuningTable.from_dict(tuning_table, REGISTRY, self.backends)
+        self.selector = Selector.from_env(self.backends, default, op_backends, tuning_table)
+        self.debug = os.environ.get("MCRDL_DEBUG", "0") == "1" if debug is None else bool(debug)
+        self.groups: list[Group] = []
+        self.world = self.new_group(range(self.world_size), timeout, name="world")
+
+    # -- launch and rendezvous ---------------------------------------------------
+    def _launch(self) -> None:
+        """Identity from the launcher: MPI (mpiexec/srun), torchrun env, or a single process."""
+        env = os.environ
+        if mpi_launched() or not ("RANK" in env and "WORLD_SIZE" in env):
+            MPI = import_mpi()
+            self.mpi_comm = MPI.COMM_WORLD
+            self.rank, self.world_size = self.mpi_comm.Get_rank(), self.mpi_comm.Get_size()
+            local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+            self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+            local.Free()
+        else:
+            self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+            self.local_rank = int(env.get("LOCAL_RANK", 0))
+            self.local_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+
+    def _make_store(self):
+        import torch.distributed as dist
+
+        td = timedelta(seconds=self.timeout)
+        if self.mpi_comm is not None:
+            # Rank 0 binds a free port and tells everyone over MPI.
+            host = None
+            if self.rank == 0:
+                host = (os.environ.get("MCRDL_MASTER_ADDR") or
+                        ("127.0.0.1" if self.local_size == self.world_size
+                         else socket.gethostbyname(socket.gethostname())))
+                store = dist.TCPStore(host, 0, self.world_size, True, timeout=td,
+                                      wait_for_workers=False)
+                addr = (host, store.port)
+            else:
+                addr = None
+            host, port = self.mpi_comm.bcast(addr, root=0)
+            if self.rank != 0:
+                store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
+            return store
+        env = os.environ
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise RuntimeError("mcrdl: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are "
+                               "not: launch with torchrun, `mcrdl run` or mpiexec")
+        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.world_size,
+                              self.rank == 0 and not agent_store, timeout=td)
+        return dist.PrefixStore("mcrdl/", store)
+
+    # -- groups -------------------------------------------------------------------
+    def new_group(self, ranks: Iterable[int], timeout: Optional[float] = None,
+                  name: Optional[str] = None) -> Group:
+        ranks = sorted(set(int(r) for r in ranks))
+        if not ranks:
+            raise ValueError("new_group: ranks is empty")
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"new_group: ranks {bad} are outside the world of {self.world_size}")
+        tag = name or f"group{len(self.groups)}"
+        group = Group(ranks, self.rank, self.timeout if timeout is None else _seconds(timeout), tag)
+        for bname, backend in self.backends.items():
+            group.handles[bname] = backend.new_group(group.ranks, group.rank, tag)
+        self.groups.append(group)
+        return group
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        for group in reversed(self.groups):
+            for bname, handle in group.handles.items():
+                self.backends[bname].destroy_group(handle)
+        for backend in self.backends.values():
+            backend.shutdown()
+        self.groups.clear()
+        self.store = None

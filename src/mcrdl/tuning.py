@@ -1,0 +1,185 @@
+"""Tuning tables: which backend runs an op, per group size and message size.
+
+Format (``docs/tuning-table.md`` is the reference)::
+
+    {
+      "format": "mcrdl-tuning/1",
+      "metadata": {"hosts": [...], "world_size": 2, "date": "...", ...},
+      "rules": {
+        "all_reduce": {
+          "2": [{"max_bytes": 65536, "backend": "mpi"},
+                {"max_bytes": null,  "backend": "gloo"}]
+        }
+      }
+    }
+
+For each op (a selection class, see :data:`SELECT_OPS`) and group size, rules
+are ordered by ``max_bytes`` (inclusive upper bound, strictly increasing); a
+message of ``n`` bytes takes the first rule with ``n <= max_bytes``; the last
+rule also covers every larger size (``null`` says so explicitly). A group size
+not in the table uses the largest listed group size below it, or the smallest
+listed one when all are larger.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import warnings
+from typing import Any, Iterable, Optional
+
+FORMAT = "mcrdl-tuning/1"
+
+#: Selection classes: every API op is selected as one of these.
+SELECT_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather",
+              "scatter", "all_to_all", "barrier", "p2p")
+
+#: API op name -> selection class (variants that move the same data share one).
+OP_CLASS = {op: op for op in SELECT_OPS}
+OP_CLASS.update(all_gather_into_tensor="all_gather", reduce_scatter_tensor="reduce_scatter",
+                all_to_all_single="all_to_all", send="p2p", recv="p2p", isend="p2p",
+                irecv="p2p", batch_isend_irecv="p2p")
+
+_RULE_KEYS = {"max_bytes", "backend", "margin", "note"}
+
+
+class TuningTableError(ValueError):
+    """A tuning table is malformed; the message names the file and key at fault."""
+
+
+class TuningTable:
+    """A validated table with O(log n) lookup."""
+
+    def __init__(self, rules: dict[str, dict[int, list[dict]]], metadata: Optional[dict] = None,
+                 source: str = "<table>"):
+        self.rules = rules
+        self.metadata = dict(metadata or {})
+        self.source = source
+        self._raw: Optional[dict] = None  # the document it was loaded from
+        self._compiled: dict[str, tuple[list[int], dict[int, tuple[list[float], list[Optional[str]]]]]] = {}
+        for op, by_size in rules.items():
+            sizes = sorted(by_size)
+            self._compiled[op] = (sizes, {
+                g: ([float("inf") if r["max_bytes"] is None else r["max_bytes"] for r in rs],
+                    [r["backend"] for r in rs]) for g, rs in by_size.items()})
+
+    # -- loading ----------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str, known: Iterable[str], live: Optional[Iterable[str]] = None) -> "TuningTable":
+        """Read and validate a table file (see :meth:`from_dict`)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise TuningTableError(f"{path}: cannot read tuning table: {exc.strerror}") from None
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TuningTableError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+        return cls.from_dict(doc, known, live, source=path)
+
+    @classmethod
+    def from_dict(cls, doc: Any, known: Iterable[str], live: Optional[Iterable[str]] = None,
+                  source: str = "<table>") -> "TuningTable":
+        """Validate a parsed table. ``known``: registered backend names (others are
+        an error); ``live``: backends running in this job (rules naming a known
+        but absent backend warn and fall back to the selector's next choice)."""
+        known = set(known)
+        live = known if live is None else set(live)
+
+        def fail(key: str, msg: str):
+            raise TuningTableError(f"{source}: {key}: {msg}")
+
+        if not isinstance(doc, dict):
+            fail("(top level)", f"expected a JSON object, got {type(doc).__name__}")
+        extra = set(doc) - {"format", "metadata", "rules"}
+        if extra:
+            fail(sorted(extra)[0], "unknown key (expected format, metadata, rules)")
+        if doc.get("format") != FORMAT:
+            fail("format", f"expected {FORMAT!r}, got {doc.get('format')!r}")
+        metadata = doc.get("metadata", {})
+        if not isinstance(metadata, dict):
+            fail("metadata", "expected an object")
+        raw = doc.get("rules")
+        if not isinstance(raw, dict):
+            fail("rules", "expected an object mapping op names to group sizes")
+        rules: dict[str, dict[int, list[dict]]] = {}
+        absent: set[str] = set()
+        for op, by_size in raw.items():
+            if op not in SELECT_OPS:
+                fail(f"rules.{op}", f"unknown op (expected one of {', '.join(SELECT_OPS)})")
+            if not isinstance(by_size, dict) or not by_size:
+                fail(f"rules.{op}", "expected a non-empty object mapping group sizes to rule lists")
+            rules[op] = {}
+            for gkey, rs in by_size.items():
+                where = f"rules.{op}.{gkey}"
+                if not (isinstance(gkey, str) and gkey.isdigit() and int(gkey) > 0):
+                    fail(where, "group size must be a positive integer")
+                if not isinstance(rs, list) or not rs:
+                    fail(where, "expected a non-empty list of rules")
+                out, prev = [], -1
+                for i, rule in enumerate(rs):
+                    at = f"{where}[{i}]"
+                    if not isinstance(rule, dict):
+                        fail(at, "expected an object with max_bytes and backend")
+                    unknown = set(rule) - _RULE_KEYS
+                    if unknown:
+                        fail(f"{at}.{sorted(unknown)[0]}", f"unknown key (expected {', '.join(sorted(_RULE_KEYS))})")
+                    if "max_bytes" not in rule or "backend" not in rule:
+                        fail(at, "needs both max_bytes and backend")
+                    mb, be = rule["max_bytes"], rule["backend"]
+                    if mb is None:
+                        if i != len(rs) - 1:
+                            fail(f"{at}.max_bytes", "null (no upper bound) is only allowed on the last rule")
+                    elif isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+                        fail(f"{at}.max_bytes", f"expected a non-negative integer or null, got {mb!r}")
+                    elif mb <= prev:
+                        fail(f"{at}.max_bytes", f"{mb} is not above the previous rule's {prev}: "
+                                                "ranges must be ordered and must not overlap")
+                    else:
+                        prev = mb
+                    if not isinstance(be, str) or be not in known:
+                        fail(f"{at}.backend", f"unknown backend {be!r} (known: {', '.join(sorted(known))})")
+                    if "margin" in rule and not isinstance(rule["margin"], (int, float)):
+                        fail(f"{at}.margin", "expected a number")
+                    if be not in live:
+                        absent.add(be)
+                    out.append({**rule, "backend": be if be in live else None})
+                rules[op][int(gkey)] = out
+        if absent:
+            warnings.warn(f"{source}: backends {sorted(absent)} are not live in this job; their "
+                          "rules fall back to the static map / default backend", stacklevel=3)
+        table = cls(rules, metadata, source)
+        table._raw = doc
+        return table
+
+    # -- lookup -------------------------------------------------------------------
+    def lookup(self, op: str, group_size: int, nbytes: int) -> Optional[str]:
+        """The backend for ``op`` at this group size and message size, or None."""
+        entry = self._compiled.get(op)
+        if entry is None:
+            return None
+        sizes, by_size = entry
+        i = bisect.bisect_right(sizes, group_size)
+        bounds, names = by_size[sizes[i - 1] if i else sizes[0]]
+        j = bisect.bisect_left(bounds, nbytes)
+        return names[j if j < len(names) else -1]
+
+    def distinct_backends(self, op: str, group_size: int) -> int:
+        """How many different backends the rules for ``op`` at this size use."""
+        entry = self._compiled.get(op)
+        if entry is None:
+            return 0
+        sizes, by_size = entry
+        i = bisect.bisect_right(sizes, group_size)
+        return len(set(by_size[sizes[i - 1] if i else sizes[0]][1]))
+
+    def to_dict(self) -> dict:
+        """The table as a JSON-ready document (round-trips through :meth:`from_dict`)."""
+        return self._raw or {
+            "format": FORMAT, "metadata": self.metadata,
+            "rules": {op: {str(g): rs for g, rs in sorted(by.items())} for op, by in self.rules.items()}}
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")

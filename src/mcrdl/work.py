@@ -1,0 +1,339 @@
+"""Work handles and the progress engine shared by every backend.
+
+Each backend turns an operation into a :class:`Pending` (its own request
+object). The engine wraps it in a :class:`Work`, keeps every outstanding work
+of every backend in one list, and enforces two rules:
+
+* **Progress** (hazard 1): a wait never blocks inside one library while a
+  work of another library that needs the caller's progress (MPI) is
+  outstanding; it polls all of them instead.
+* **Program order** (hazard 3): an operation whose tensors overlap a tensor of
+  an outstanding work (one of the two writing it) waits for that work first.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from .types import CommError, CommTimeoutError
+
+
+class Pending:
+    """A backend's in-flight request. Subclasses override ``test`` and may
+    override ``block`` and ``prepare_poll``.
+
+    ``progress_domain`` names the library whose progress engine must be driven
+    by the caller (``"mpi"``); ``None`` means the library progresses by itself.
+    """
+
+    progress_domain: Optional[str] = None
+
+    def test(self) -> bool:
+        """Return True once the request is complete; never blocks."""
+        raise NotImplementedError
+
+    def block(self, deadline: float) -> bool:
+        """Wait until complete or ``deadline`` (monotonic s); True if complete."""
+        return spin_until(self.test, deadline)
+
+    def prepare_poll(self) -> None:
+        """Called once before this request is polled from a mixed wait."""
+
+
+class Done(Pending):
+    """A request that completed at submission (e.g. zero-byte messages)."""
+
+    def test(self) -> bool:
+        return True
+
+
+def spin_until(test: Callable[[], bool], deadline: float) -> bool:
+    """Poll ``test`` with a backoff that yields the CPU; True if it succeeded."""
+    spins = 0
+    while not test():
+        spins += 1
+        if spins < 2000:
+            continue
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        if spins < 20000:
+            os.sched_yield()
+        else:
+            time.sleep(1e-4 if spins < 40000 else 1e-3)
+    return True
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, end) of memory a tensor may touch."""
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    return (start, start + extent * t.element_size())
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    (s1, e1), (s2, e2) = _span(a), _span(b)
+    return s1 < e2 and s2 < e1
+
+
+class Work:
+    """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
+
+    __slots__ = ("op", "backend", "_engine", "_pending", "_post", "_reads", "_writes",
+                 "_timeout", "_done", "_error", "_result", "_future")
+
+    def __init__(self, engine: "Engine", op: str, backend: str, pending: Pending,
+                 reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = (),
+                 post: Sequence[Callable[[], None]] = (), timeout: float = 1800.0,
+                 result: Sequence[torch.Tensor] = ()):
+        self.op = op
+        self.backend = backend
+        self._engine = engine
+        self._pending = pending
+        self._post = post
+        self._reads = reads
+        self._writes = writes
+        self._timeout = timeout
+        self._done = False
+        self._error: Optional[BaseException] = None
+        self._result = list(result)
+        self._future: Optional[torch.futures.Future] = None
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self._done else "pending")
+        return f"<mcrdl.Work {self.op} on {self.backend}: {state}>"
+
+    def is_completed(self) -> bool:
+        """True once the operation finished (drives progress of all backends)."""
+        if not self._done:
+            self._engine.poll()
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+    def exception(self) -> Optional[BaseException]:
+        return self._error
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until done, progressing every backend; raise on failure or
+        after ``timeout`` seconds (default: the group's timeout)."""
+        if not self._done:
+            self._engine.wait(self, self._timeout if timeout is None else _seconds(timeout))
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors (after :meth:`wait`)."""
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed with :meth:`result` when done.
+
+        A helper thread waits on the work, so the future completes even when
+        nobody else drives progress (as DDP communication hooks require)."""
+        if self._future is None:
+            fut = self._future = torch.futures.Future()
+            if self._done:
+                self._settle_future()
+            else:
+                self._engine.executor.submit(self._wait_for_future)
+        return self._future
+
+    def _wait_for_future(self) -> None:
+        try:
+            self.wait()
+        except BaseException:  # the error reaches the future below
+            pass
+        self._settle_future()
+
+    def _settle_future(self) -> None:
+        with self._engine._lock:
+            fut = self._future
+            if fut is None or fut.done():
+                return
+            if self._error is not None:
+                fut.set_exception(self._error)
+            else:
+                fut.set_result(self._result)
+
+    def _finish(self, error: Optional[BaseException] = None) -> None:
+        if error is None:
+            try:
+                for fn in self._post:
+                    fn()
+            except Exception as exc:  # surfaced on wait()
+                error = exc
+        if error is not None and not isinstance(error, CommError):
+            wrapped = CommError(f"{self.op} on backend '{self.backend}' failed: {error}")
+            wrapped.__cause__ = error
+            error = wrapped
+        self._error = error
+        self._done = True
+        self._pending = None
+        self._post = ()
+        if self._future is not None:
+            self._settle_future()
+
+
+def _seconds(timeout) -> float:
+    return timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+
+
+class Engine:
+    """Tracks outstanding work of all backends and drives their progress.
+
+    Requests are tested under one lock, so a future's helper thread and the
+    caller never test the same MPI request at once."""
+
+    def __init__(self) -> None:
+        self.outstanding: list[Work] = []
+        self._lock = threading.RLock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._abandoned: list = []  # timed-out requests whose buffers must stay alive
+
+    @property
+    def executor(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="mcrdl-future")
+        return self._executor
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        self.outstanding.clear()
+
+    # -- submission -------------------------------------------------------------
+    def order_before(self, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor],
+                     op: str, backend: str) -> None:
+        """Wait for outstanding works that conflict with a new op's tensors."""
+        if not self.outstanding:
+            return
+        reads, writes = tuple(reads), tuple(writes)
+        for work in list(self.outstanding):
+            if work._done:
+                continue
+            if (any(_overlap(w, t) for w in writes for t in (*work._reads, *work._writes))
+                    or any(_overlap(r, t) for r in reads for t in work._writes)):
+                try:
+                    work.wait()
+                except CommError as exc:
+                    raise CommError(f"{op} on backend '{backend}' cannot start: an earlier "
+                                    f"{work.op} on '{work.backend}' touching the same tensor "
+                                    f"failed: {exc}") from exc
+
+    def run(self, work: Work, async_op: bool) -> Optional[Work]:
+        """Start tracking ``work``; for a blocking op wait for it and return None."""
+        if not async_op and self._blocking_is_safe(work._pending):
+            # Nobody else can see this request: no lock, no bookkeeping.
+            pending = work._pending
+            deadline = time.monotonic() + work._timeout
+            try:
+                done = pending.block(deadline)
+            except Exception as exc:
+                work._finish(exc)
+            else:
+                if not done:
+                    self._abandon(work)
+                else:
+                    work._finish()
+            if work._error is not None:
+                raise work._error
+            return None
+        with self._lock:
+            self.outstanding.append(work)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # -- progress ---------------------------------------------------------------
+    def poll(self) -> None:
+        """Test every outstanding work once; finish those that completed."""
+        with self._lock:
+            if not self.outstanding:
+                return
+            still = []
+            for work in self.outstanding:
+                if work._done:
+                    continue
+                try:
+                    done = work._pending.test()
+                except Exception as exc:  # the library reported failure
+                    work._finish(exc)
+                    continue
+                if done:
+                    work._finish()
+                else:
+                    still.append(work)
+            self.outstanding = still
+
+    def _blocking_is_safe(self, pending: Pending) -> bool:
+        """May we block inside ``pending``'s library without starving another?"""
+        mine = pending.progress_domain
+        for work in self.outstanding:
+            p = work._pending
+            if p is not None and p.progress_domain is not None and p.progress_domain != mine:
+                return False
+        return True
+
+    def _test_one(self, work: Work) -> bool:
+        with self._lock:
+            if work._done:
+                return True
+            if work._pending.test():
+                self.outstanding.remove(work)
+                work._finish()
+                return True
+            return False
+
+    def wait(self, work: Work, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = work._pending
+        if pending is None:
+            return
+        try:
+            if not self._blocking_is_safe(pending):
+                pending.prepare_poll()
+                done = spin_until(lambda: (self.poll(), work._done)[1], deadline)
+            elif pending.progress_domain is None:  # self-progressing library
+                done = pending.block(deadline)
+                if done:
+                    self._retire(work)
+            else:
+                done = spin_until(lambda: self._test_one(work), deadline)
+        except Exception as exc:
+            self._retire(work, exc)
+            return
+        if not done:
+            self._abandon(work)
+
+    def _retire(self, work: Work, error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            if work._done:
+                return
+            if work in self.outstanding:
+                self.outstanding.remove(work)
+            work._finish(error)
+
+    def _abandon(self, work: Work) -> None:
+        """Fail a work that missed its deadline, keeping its buffers alive."""
+        with self._lock:
+            if work._done:
+                return
+            self._abandoned.append((work._pending, work._reads, work._writes))
+        self._retire(work, CommTimeoutError(
+            f"{work.op} on backend '{work.backend}' did not complete within "
+            f"{work._timeout:.1f} s (a peer may be dead, stuck, or issuing collectives "
+            f"in a different order; MCRDL_DEBUG=1 checks the order)"))
