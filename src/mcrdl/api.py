@@ -125,10 +125,11 @@ def get_global_rank(group: Group, group_rank: int) -> int:
 
 
 def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional[Group] = None,
-            backend: Optional[str] = None) -> str:
+            backend: Optional[str] = None, group_size: Optional[int] = None) -> str:
     """Which backend would run ``op`` for this tensor (or message size in bytes), and why.
 
-    For tensors the size is the op's lookup size (see docs/tuning-table.md)."""
+    For tensors the size is the op's lookup size (see docs/tuning-table.md);
+    ``group_size`` asks about a group size other than ``group``'s."""
     from .tuning import OP_CLASS
 
     if op not in OP_CLASS:
@@ -137,11 +138,13 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
     if isinstance(tensor_or_nbytes, torch.Tensor):
         t = tensor_or_nbytes
         nbytes = _nbytes(t) * (g.size if OP_CLASS[op] in ("all_gather", "gather", "scatter") else 1)
+        # (all_gather/gather/scatter tensors are the per-rank part)
         device, dtype = t.device.type, t.dtype
     else:
         nbytes, device, dtype = int(tensor_or_nbytes), "cpu", torch.float32
-    name, why = rt.selector.explain(op, nbytes, g.size, device, dtype, explicit=backend)
-    return f"{op} of {nbytes} B on group {g.name} (size {g.size}): {name} ({why})"
+    size = group_size or g.size
+    name, why = rt.selector.explain(op, nbytes, size, device, dtype, explicit=backend)
+    return f"{op} of {nbytes} B, group size {size}: {name} ({why})"
 
 
 # -- helpers ------------------------------------------------------------------------------

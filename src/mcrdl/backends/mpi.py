@@ -103,12 +103,13 @@ class MPIBackend(Backend):
 
     # -- buffers -----------------------------------------------------------------
     def _buf(self, t: torch.Tensor, types=None):
-        """Zero-copy [buffer, count, datatype] for a contiguous tensor."""
+        """Zero-copy [buffer, datatype] for a contiguous tensor (mpi4py derives
+        the count, per peer for the gather/scatter families)."""
         dt = (types or self.move_types)[t.dtype]
         if t.is_cuda:
             torch.cuda.current_stream(t.device).synchronize()
-            return [t, t.numel(), dt]
-        return [self.MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), t.numel(), dt]
+            return [t, dt]
+        return [self.MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), dt]
 
     def _reduction(self, tensors, start):
         """Run a reduction; bf16 (no MPI type) runs in float32 and rounds back."""
@@ -152,8 +153,8 @@ class MPIBackend(Backend):
 
     def all_to_all_single(self, comm, output, input, output_counts, input_counts):
         ib, ob = self._buf(input), self._buf(output)
-        return MPIPending(comm.Ialltoallv([ib[0], (input_counts, _displs(input_counts)), ib[2]],
-                                          [ob[0], (output_counts, _displs(output_counts)), ob[2]]))
+        return MPIPending(comm.Ialltoallv([ib[0], (input_counts, _displs(input_counts)), ib[1]],
+                                          [ob[0], (output_counts, _displs(output_counts)), ob[1]]))
 
     def barrier(self, comm):
         return MPIPending(comm.Ibarrier())

@@ -1,0 +1,18 @@
+"""All-reduce on every live backend: `mcrdl run -n 2 examples/hello.py`."""
+import torch
+
+import mcrdl
+
+mcrdl.init_process_group()
+rank, size = mcrdl.get_rank(), mcrdl.get_world_size()
+expected = size * (size + 1) / 2
+for name, status in mcrdl.available_backends().items():
+    if status != "live":
+        if rank == 0:
+            print(f"{name:5s} not live: {status}")
+        continue
+    t = torch.full((4,), float(rank + 1))
+    mcrdl.all_reduce(t, backend=name)
+    assert torch.all(t == expected), (name, t)
+    print(f"rank {rank}/{size} {name:5s} all_reduce -> {t.tolist()}")
+mcrdl.destroy_process_group()

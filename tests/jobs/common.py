@@ -1,0 +1,34 @@
+"""Deterministic inputs and local references shared by the test jobs."""
+import torch
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES = FLOATS + (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool)
+
+
+def value(rank, numel, dtype, for_product=False, salt=0):
+    """Small integers (exact in every dtype and in their sums/products)."""
+    base = torch.arange(numel, dtype=torch.int64) + rank + salt
+    v = base % 2 + 1 if for_product else base % 5 + 1
+    if dtype == torch.bool:
+        return (base % 2 == 0)
+    return v.to(dtype)
+
+
+def reduced(ranks, numel, dtype, op, salt=0):
+    """Reference result of reducing value(r, ...) over ``ranks`` with ``op``."""
+    vals = [value(r, numel, dtype, op == "product", salt).to(torch.float64) for r in ranks]
+    stack = torch.stack(vals) if vals else torch.zeros(0)
+    if dtype == torch.bool:
+        if op in ("sum", "max"):
+            return stack.amax(0).bool() if numel else torch.zeros(0, dtype=torch.bool)
+        return stack.amin(0).bool() if numel else torch.zeros(0, dtype=torch.bool)
+    out = {"sum": lambda: stack.sum(0), "product": lambda: stack.prod(0),
+           "min": lambda: stack.amin(0) if numel else stack.sum(0),
+           "max": lambda: stack.amax(0) if numel else stack.sum(0),
+           "avg": lambda: stack.sum(0) / len(ranks)}[op]()
+    return out.to(dtype)
+
+
+def check(cond, *msg):
+    if not cond:
+        raise AssertionError(" ".join(map(str, msg)))
