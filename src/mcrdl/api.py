@@ -252,8 +252,9 @@ def _control_allgather(rt: Runtime, g: Group, data: bytes) -> list[bytes]:
     mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = torch.empty(g.size * (n + 8), dtype=torch.uint8)
     _control(rt, g, lambda b, h: b.all_gather_into_tensor(h, out, mine), "fingerprint exchange")
-    rows = out.view(g.size, n + 8)
-    return [bytes(r[8:8 + int(r[:8].view(torch.int64))].tolist()) for r in rows]
+    raw = out.numpy().tobytes()
+    rows = [raw[i * (n + 8):(i + 1) * (n + 8)] for i in range(g.size)]
+    return [r[8:8 + int.from_bytes(r[:8], "little")] for r in rows]
 
 
 def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optional[str],

@@ -26,6 +26,8 @@ def parse_op_backends(spec: str) -> dict[str, str]:
         op, sep, name = item.partition(":")
         if not sep or not op.strip() or not name.strip():
             raise ValueError(f"MCRDL_OP_BACKENDS: {item!r} is not op:backend")
+        if op.strip() in out:
+            raise ValueError(f"MCRDL_OP_BACKENDS: {op.strip()!r} is given twice")
         out[op.strip()] = name.strip()
     return out
 
@@ -126,5 +128,5 @@ class Selector:
         Only all-to-all with per-rank sizes, and only when the table (not an
         explicit/static choice) decides and uses more than one backend."""
         cls = OP_CLASS[op]
-        return (explicit is None and cls not in self.static and self.table is not None
+        return (cls == "all_to_all" and explicit is None and cls not in self.static and self.table is not None
                 and self.table.distinct_backends(cls, group_size) > 1)

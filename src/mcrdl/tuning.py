@@ -71,6 +71,8 @@ class TuningTable:
                 text = f.read()
         except OSError as exc:
             raise TuningTableError(f"{path}: cannot read tuning table: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise TuningTableError(f"{path}: byte {exc.start}: not UTF-8 text") from None
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -112,8 +114,10 @@ class TuningTable:
             rules[op] = {}
             for gkey, rs in by_size.items():
                 where = f"rules.{op}.{gkey}"
-                if not (isinstance(gkey, str) and gkey.isdigit() and int(gkey) > 0):
+                if not (isinstance(gkey, str) and gkey.isascii() and gkey.isdigit() and int(gkey) > 0):
                     fail(where, "group size must be a positive integer")
+                if int(gkey) in rules[op]:
+                    fail(where, f"group size {int(gkey)} is listed twice")
                 if not isinstance(rs, list) or not rs:
                     fail(where, "expected a non-empty list of rules")
                 out, prev = [], -1
@@ -139,7 +143,8 @@ class TuningTable:
                         prev = mb
                     if not isinstance(be, str) or be not in known:
                         fail(f"{at}.backend", f"unknown backend {be!r} (known: {', '.join(sorted(known))})")
-                    if "margin" in rule and not isinstance(rule["margin"], (int, float)):
+                    if "margin" in rule and (isinstance(rule["margin"], bool)
+                                             or not isinstance(rule["margin"], (int, float))):
                         fail(f"{at}.margin", "expected a number")
                     if be not in live:
                         absent.add(be)

@@ -245,7 +245,7 @@ class Engine:
                 work._finish(exc)
             else:
                 if not done:
-                    self._abandon(work)
+                    self._abandon(work, work._timeout)
                 else:
                     work._finish()
             if work._error is not None:
@@ -317,7 +317,7 @@ class Engine:
             self._retire(work, exc)
             return
         if not done:
-            self._abandon(work)
+            self._abandon(work, timeout)
 
     def _retire(self, work: Work, error: Optional[BaseException] = None) -> None:
         with self._lock:
@@ -327,7 +327,7 @@ class Engine:
                 self.outstanding.remove(work)
             work._finish(error)
 
-    def _abandon(self, work: Work) -> None:
+    def _abandon(self, work: Work, timeout: float) -> None:
         """Fail a work that missed its deadline, keeping its buffers alive."""
         with self._lock:
             if work._done:
@@ -335,5 +335,5 @@ class Engine:
             self._abandoned.append((work._pending, work._reads, work._writes))
         self._retire(work, CommTimeoutError(
             f"{work.op} on backend '{work.backend}' did not complete within "
-            f"{work._timeout:.1f} s (a peer may be dead, stuck, or issuing collectives "
+            f"{timeout:.1f} s (a peer may be dead, stuck, or issuing collectives "
             f"in a different order; MCRDL_DEBUG=1 checks the order)"))

@@ -35,13 +35,15 @@ def import_mpi():
 
 
 class MPIPending(Pending):
-    """An mpi4py request; MPI progresses only inside MPI calls."""
+    """An mpi4py request; MPI progresses only inside MPI calls. It holds the
+    tensors whose memory MPI uses (raw addresses keep nothing alive)."""
 
     progress_domain = "mpi"
-    __slots__ = ("req",)
+    __slots__ = ("req", "keep")
 
-    def __init__(self, req):
+    def __init__(self, req, *keep: torch.Tensor):
         self.req = req
+        self.keep = keep
 
     def test(self) -> bool:
         return self.req.Test()
@@ -114,11 +116,9 @@ class MPIBackend(Backend):
     def _reduction(self, tensors, start):
         """Run a reduction; bf16 (no MPI type) runs in float32 and rounds back."""
         if tensors[0].dtype in self.reduce_types:
-            return MPIPending(start(*[None if t is None else self._buf(t, self.reduce_types)
-                                      for t in tensors]))
-        wide = [None if t is None else t.float() for t in tensors]
-        pending = MPIPending(start(*[None if w is None else self._buf(w, self.reduce_types)
-                                    for w in wide]))
+            return MPIPending(start(*[self._buf(t, self.reduce_types) for t in tensors]), *tensors)
+        wide = [t.float() for t in tensors]
+        pending = MPIPending(start(*[self._buf(w, self.reduce_types) for w in wide]), *wide)
         return _CopyBack(pending, tensors[-1], wide[-1])
 
     # -- operations --------------------------------------------------------------
@@ -127,7 +127,7 @@ class MPIBackend(Backend):
         return self._reduction([tensor], lambda b: comm.Iallreduce(self.MPI.IN_PLACE, b, mop))
 
     def broadcast(self, comm, tensor, root):
-        return MPIPending(comm.Ibcast(self._buf(tensor), root))
+        return MPIPending(comm.Ibcast(self._buf(tensor), root), tensor)
 
     def reduce(self, comm, tensor, root, op):
         mop, MPI = self.reduce_ops[op], self.MPI
@@ -136,7 +136,7 @@ class MPIBackend(Backend):
         return self._reduction([tensor], lambda b: comm.Ireduce(b, None, mop, root))
 
     def all_gather_into_tensor(self, comm, output, input):
-        return MPIPending(comm.Iallgather(self._buf(input), self._buf(output)))
+        return MPIPending(comm.Iallgather(self._buf(input), self._buf(output)), input, output)
 
     def reduce_scatter_tensor(self, comm, output, input, op):
         mop = self.reduce_ops[op]
@@ -145,25 +145,26 @@ class MPIBackend(Backend):
 
     def gather(self, comm, output, input, root):
         out = self._buf(output) if output is not None else None
-        return MPIPending(comm.Igather(self._buf(input), out, root))
+        return MPIPending(comm.Igather(self._buf(input), out, root), input, output)
 
     def scatter(self, comm, output, input, root):
         inp = self._buf(input) if input is not None else None
-        return MPIPending(comm.Iscatter(inp, self._buf(output), root))
+        return MPIPending(comm.Iscatter(inp, self._buf(output), root), input, output)
 
     def all_to_all_single(self, comm, output, input, output_counts, input_counts):
         ib, ob = self._buf(input), self._buf(output)
         return MPIPending(comm.Ialltoallv([ib[0], (input_counts, _displs(input_counts)), ib[1]],
-                                          [ob[0], (output_counts, _displs(output_counts)), ob[1]]))
+                                          [ob[0], (output_counts, _displs(output_counts)), ob[1]]),
+                          input, output)
 
     def barrier(self, comm):
         return MPIPending(comm.Ibarrier())
 
     def send(self, comm, tensor, peer, tag):
-        return MPIPending(comm.Isend(self._buf(tensor), peer, tag))
+        return MPIPending(comm.Isend(self._buf(tensor), peer, tag), tensor)
 
     def recv(self, comm, tensor, peer, tag):
-        return MPIPending(comm.Irecv(self._buf(tensor), peer, tag))
+        return MPIPending(comm.Irecv(self._buf(tensor), peer, tag), tensor)
 
 
 def _displs(counts: Sequence[int]) -> list[int]:

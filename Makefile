@@ -1,0 +1,25 @@
+# Set-up and entry points. Both targets create .venv and install pinned versions.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test clean
+
+$(STAMP): pyproject.toml requirements-pinned.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -r requirements-pinned.txt
+	$(BIN)/pip install -q -e '.[test,plot]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/mcrdl info
+	$(BIN)/mcrdl run -n 2 --timeout 300 examples/hello.py
+	$(BIN)/mcrdl run -n 2 --timeout 300 examples/mixing.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra tests
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

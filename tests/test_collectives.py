@@ -1,0 +1,22 @@
+"""Every op on every live CPU backend, in real 2- and 4-rank jobs."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_job
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_all_ops_all_backends(nprocs):
+    out = run_job(nprocs, "ops_job.py", timeout=600)
+    assert out.count(": OK ") == nprocs, out[-3000:]
+
+
+def test_hello_example():
+    hello = Path(__file__).parents[1] / "examples" / "hello.py"
+    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "120",
+                           str(hello)], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("all_reduce -> [3.0, 3.0, 3.0, 3.0]") == 4  # 2 ranks x mpi, gloo
