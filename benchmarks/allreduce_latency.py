@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 import mcrdl
 
-DEFAULT_SIZES = [4, 64, 1 << 10, 16 << 10, 256 << 10, 4 << 20]
+DEFAULT_SIZES = [4, 1 << 10, 16 << 10, 256 << 10, 4 << 20]
 VARIANTS = ["mcrdl mpi", "mcrdl gloo", "mcrdl selected", "raw mpi4py", "raw torch.distributed gloo"]
 SHORT = {"mcrdl mpi": "mcrdl mpi", "mcrdl gloo": "mcrdl gloo",
          "mcrdl selected": "mcrdl selected", "raw mpi4py": "raw mpi4py",
@@ -87,7 +87,8 @@ def main() -> int:
                     default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated "
                     "(K/M suffixes allowed); default " + ",".join(map(str, DEFAULT_SIZES)))
     ap.add_argument("--iters", type=int, help="timed iterations per round for every size "
-                    "(default: 2000 below 8 KiB ... 50 at 2 MiB and above)")
+                    "(default: 2000 below 8 KiB, 1000 below 64 KiB, 200 below 512 KiB, "
+                    "100 below 2 MiB, 50 from 2 MiB)")
     ap.add_argument("--warmup", type=int, help="warm-up iterations per round "
                     "(default: iters/10, at least 5)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size (default 5)")

@@ -20,3 +20,9 @@ def test_hello_example():
                            str(hello)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("all_reduce -> [3.0, 3.0, 3.0, 3.0]") == 4  # 2 ranks x mpi, gloo
+
+
+def test_backend_added_by_one_module():
+    out = run_job(2, "extra_backend_job.py", timeout=300)
+    assert out.count("gloo2 selected by table and static map") == 2
+    assert out.count("OK") >= 2 and "['gloo2']" in out

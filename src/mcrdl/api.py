@@ -6,6 +6,7 @@ after conflicting outstanding work, and submits. ``backend=`` forces a backend.
 """
 from __future__ import annotations
 
+import atexit
 import json
 from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Sequence, Union
@@ -44,11 +45,13 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
     if _runtime is not None:
         raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug)
+    atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
 
 
 def destroy_process_group() -> None:
     """Release every backend and group; init may be called again afterwards."""
     global _runtime
+    atexit.unregister(destroy_process_group)
     if _runtime is not None:
         rt, _runtime = _runtime, None
         rt.shutdown()
@@ -64,12 +67,15 @@ def _rt() -> Runtime:
     return _runtime
 
 
-def _group(group: Optional[Group]) -> Group:
+def _group(group: Optional[Group], op: str = "mcrdl") -> Group:
     rt = _rt()
     if group is None:
         return rt.world
     if not isinstance(group, Group):
-        raise TypeError(f"group must be an mcrdl Group from mcrdl.new_group(), got {type(group).__name__}")
+        raise TypeError(f"{op}: group must be an mcrdl Group from mcrdl.new_group(), "
+                        f"got {type(group).__name__}")
+    if group.owner is not rt:
+        raise ValueError(f"{op}: {group!r} belongs to a process group that was destroyed")
     return group
 
 
@@ -118,7 +124,7 @@ def get_group_rank(group: Group, global_rank: int) -> int:
 
 
 def get_global_rank(group: Group, group_rank: int) -> int:
-    g = _group(group)
+    g = _group(group, "get_global_rank")
     if not 0 <= group_rank < g.size:
         raise ValueError(f"group rank {group_rank} is outside group {g.name} of size {g.size}")
     return g.ranks[group_rank]
@@ -194,7 +200,10 @@ def _reduction(op: str, tensors: Sequence[torch.Tensor], reduce_op, g: Group, po
     bool -> uint8 with SUM/MAX as logical or, PRODUCT/MIN as logical and;
     AVG -> SUM, then the rank holding the result divides (floating point
     only). Returns (tensors, op)."""
-    rop = ReduceOp.coerce(reduce_op)
+    try:
+        rop = ReduceOp.coerce(reduce_op)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
     dtype = tensors[0].dtype
     if dtype == torch.bool:
         if rop is ReduceOp.AVG:
@@ -259,19 +268,29 @@ def _control_allgather(rt: Runtime, g: Group, data: bytes) -> list[bytes]:
 
 def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optional[str],
             async_op: bool, start: Callable, reads=(), writes=(), post=(), result=(),
-            reduce_op=None, collective: bool = True, invariant=None, agree: bool = False):
-    """Select, check order, start and track one operation."""
+            reduce_op=None, collective: bool = True, invariant=None, agree: bool = False,
+            skip_empty: bool = True):
+    """Select, check order, start and track one operation.
+
+    The local choice comes first: it refuses what no backend can run before
+    any message (agreement, fingerprint) is sent. ``agree``: the size differs
+    per rank (all-to-all), so ranks agree on its maximum when that matters.
+    ``skip_empty``: a zero-byte op (same on every rank) sends nothing."""
     rt = _runtime
     sel = rt.selector
     device = ref.device.type
-    if agree or (rt.debug and collective):
-        if rt.debug and collective:
-            _fingerprint(rt, g, op, None if agree else
-                         sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit),
-                         dtype=str(ref.dtype), device=device, shape=invariant, explicit=explicit)
-        if agree and sel.needs_agreement(op, g.size, explicit):
-            nbytes = _control_max(rt, g, nbytes)
     name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
+    if agree and sel.needs_agreement(op, g.size, explicit):
+        if rt.debug:
+            _fingerprint(rt, g, op, None, dtype=str(ref.dtype), device=device, shape=invariant,
+                         explicit=explicit)
+        nbytes = _control_max(rt, g, nbytes)
+        name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
+    elif rt.debug and collective:
+        _fingerprint(rt, g, op, name, dtype=str(ref.dtype), device=device, shape=invariant,
+                     explicit=explicit)
+    if nbytes == 0 and skip_empty:
+        return _skip(rt, op, async_op, result)
     engine = rt.engine
     if engine.outstanding:
         engine.order_before(reads, writes, op, name)
@@ -296,15 +315,13 @@ def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = None,
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
-    g = _group(group)
+    g = _group(group, "all_reduce")
     _check("all_reduce", tensor)
     if g.rank < 0:
         return None
     post: list = []
     (t,), rop = _reduction("all_reduce", [_contiguous(tensor, True, post)], op, g, post)
     nbytes = _nbytes(tensor)
-    if nbytes == 0:
-        return _skip(_runtime, "all_reduce", async_op, [tensor])
     return _submit("all_reduce", g, nbytes, tensor, backend, async_op,
                    lambda b, h: b.all_reduce(h, t, rop), reads=(tensor,), writes=(tensor,),
                    post=post, result=[tensor], reduce_op=rop, invariant=list(tensor.shape))
@@ -313,7 +330,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
 def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
               async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
-    g = _group(group)
+    g = _group(group, "broadcast")
     _check("broadcast", tensor)
     if g.rank < 0:
         return None
@@ -321,8 +338,6 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
     post: list = []
     t = _contiguous(tensor, True, post)
     nbytes = _nbytes(tensor)
-    if nbytes == 0:
-        return _skip(_runtime, "broadcast", async_op, [tensor])
     return _submit("broadcast", g, nbytes, tensor, backend, async_op,
                    lambda b, h: b.broadcast(h, t, root), reads=(tensor,), writes=(tensor,),
                    post=post, result=[tensor], invariant=[list(tensor.shape), src])
@@ -331,7 +346,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
            async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are scratch)."""
-    g = _group(group)
+    g = _group(group, "reduce")
     _check("reduce", tensor)
     if g.rank < 0:
         return None
@@ -340,8 +355,6 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
     (t,), rop = _reduction("reduce", [_contiguous(tensor, True, post)], op, g, post,
                            holds_result=g.rank == root)
     nbytes = _nbytes(tensor)
-    if nbytes == 0:
-        return _skip(_runtime, "reduce", async_op, [tensor])
     return _submit("reduce", g, nbytes, tensor, backend, async_op,
                    lambda b, h: b.reduce(h, t, root, rop), reads=(tensor,), writes=(tensor,),
                    post=post, result=[tensor], reduce_op=rop, invariant=[list(tensor.shape), dst])
@@ -352,7 +365,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            backend: Optional[str] = None) -> Optional[Work]:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (dim 0)."""
     op = "all_gather_into_tensor"
-    g = _group(group)
+    g = _group(group, "all_gather_into_tensor")
     _check(op, output_tensor, "output_tensor")
     _check(op, input_tensor, "input_tensor")
     _same_kind(op, input_tensor, output_tensor, "output_tensor")
@@ -365,8 +378,6 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     out = _contiguous(output_tensor, True, post)
     inp = _contiguous(input_tensor, False, post)
     nbytes = _nbytes(output_tensor)
-    if nbytes == 0:
-        return _skip(_runtime, op, async_op, [output_tensor])
     return _submit(op, g, nbytes, input_tensor, backend, async_op,
                    lambda b, h: b.all_gather_into_tensor(h, out, inp),
                    reads=(input_tensor,), writes=(output_tensor,), post=post,
@@ -377,7 +388,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
     op = "all_gather"
-    g = _group(group)
+    g = _group(group, "all_gather")
     _check(op, tensor)
     _check_list(op, tensor_list, "tensor_list", tensor, g.size)
     if g.rank < 0:
@@ -385,8 +396,6 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     flat = tensor.new_empty(g.size * tensor.numel())
     post = [_unpack(flat, tensor_list)]
     inp = tensor.contiguous()
-    if flat.numel() == 0:
-        return _skip(_runtime, op, async_op, tensor_list)
     return _submit(op, g, _nbytes(flat), tensor, backend, async_op,
                    lambda b, h: b.all_gather_into_tensor(h, flat, inp.view(-1)),
                    reads=(tensor,), writes=tuple(tensor_list), post=post, result=tensor_list,
@@ -398,7 +407,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                           backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``input`` across ranks and leave block ``rank`` of it in ``output``."""
     name = "reduce_scatter_tensor"
-    g = _group(group)
+    g = _group(group, "reduce_scatter_tensor")
     _check(name, output, "output")
     _check(name, input, "input")
     _same_kind(name, output, input, "input")
@@ -412,8 +421,6 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     inp = _contiguous(input, False, post)
     (inp, out), rop = _reduction(name, [inp, out], op, g, post)
     nbytes = _nbytes(input)
-    if nbytes == 0:
-        return _skip(_runtime, name, async_op, [output])
     return _submit(name, g, nbytes, output, backend, async_op,
                    lambda b, h: b.reduce_scatter_tensor(h, out, inp, rop),
                    reads=(input,), writes=(output,), post=post, result=[output],
@@ -425,7 +432,7 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
                    backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``input_list[i]`` across ranks into ``output`` on group rank ``i``."""
     name = "reduce_scatter"
-    g = _group(group)
+    g = _group(group, "reduce_scatter")
     _check(name, output, "output")
     _check_list(name, input_list, "input_list", output, g.size)
     if g.rank < 0:
@@ -434,8 +441,6 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
     out = _contiguous(output, True, post)
     flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
     (flat, out), rop = _reduction(name, [flat, out], op, g, post)
-    if flat.numel() == 0:
-        return _skip(_runtime, name, async_op, [output])
     return _submit(name, g, _nbytes(flat), output, backend, async_op,
                    lambda b, h: b.reduce_scatter_tensor(h, out.view(-1), flat, rop),
                    reads=tuple(input_list), writes=(output,), post=post, result=[output],
@@ -447,7 +452,7 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
            backend: Optional[str] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
     op = "gather"
-    g = _group(group)
+    g = _group(group, "gather")
     _check(op, tensor)
     if g.rank < 0:
         return None
@@ -461,8 +466,6 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
     elif gather_list:
         raise ValueError(f"{op}: gather_list must be None or empty on non-destination rank {get_rank()}")
     inp = tensor.contiguous().view(-1)
-    if tensor.numel() == 0:
-        return _skip(_runtime, op, async_op, gather_list or [])
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
                    lambda b, h: b.gather(h, flat, inp, root), reads=(tensor,),
                    writes=tuple(gather_list or ()), post=post, result=gather_list or [],
@@ -474,7 +477,7 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
             backend: Optional[str] = None) -> Optional[Work]:
     """Scatter ``scatter_list[i]`` from global rank ``src`` to group rank ``i``'s ``tensor``."""
     op = "scatter"
-    g = _group(group)
+    g = _group(group, "scatter")
     _check(op, tensor)
     if g.rank < 0:
         return None
@@ -487,8 +490,6 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
         raise ValueError(f"{op}: scatter_list must be None or empty on non-source rank {get_rank()}")
     post: list = []
     out = _contiguous(tensor, True, post)
-    if tensor.numel() == 0:
-        return _skip(_runtime, op, async_op, [tensor])
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
                    lambda b, h: b.scatter(h, out.view(-1), flat, root),
                    reads=tuple(scatter_list or ()), writes=(tensor,), post=post, result=[tensor],
@@ -502,7 +503,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     """Split ``input`` along dim 0, send block ``i`` to group rank ``i``, and
     concatenate what arrives into ``output`` (uneven with split sizes)."""
     op = "all_to_all_single"
-    g = _group(group)
+    g = _group(group, "all_to_all_single")
     _check(op, output, "output")
     _check(op, input, "input")
     _same_kind(op, input, output, "output")
@@ -521,7 +522,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     return _submit(op, g, _nbytes(input), input, backend, async_op,
                    lambda b, h: b.all_to_all_single(h, out.view(-1), inp.view(-1), out_counts, in_counts),
                    reads=(input,), writes=(output,), post=post, result=[output],
-                   invariant=list(input.shape[1:]), agree=True)
+                   invariant=list(input.shape[1:]), agree=True, skip_empty=False)
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
@@ -529,8 +530,8 @@ def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[t
                backend: Optional[str] = None) -> Optional[Work]:
     """Send ``input_tensor_list[i]`` to group rank ``i``; receive into ``output_tensor_list``."""
     op = "all_to_all"
-    g = _group(group)
-    for what, lst in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
+    g = _group(group, "all_to_all")
+    for what, lst in (("input_tensor_list", input_tensor_list), ("output_tensor_list", output_tensor_list)):
         if not isinstance(lst, (list, tuple)) or len(lst) != g.size:
             raise ValueError(f"{op}: {what} must be a list of {g.size} tensors")
         for i, t in enumerate(lst):
@@ -547,16 +548,17 @@ def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[t
                    lambda b, h: b.all_to_all_single(h, flat_out, flat_in, out_counts, in_counts),
                    reads=tuple(input_tensor_list), writes=tuple(output_tensor_list),
                    post=[_unpack(flat_out, output_tensor_list)], result=list(output_tensor_list),
-                   invariant=None, agree=True)
+                   invariant=None, agree=True, skip_empty=False)
 
 
 def barrier(group: Optional[Group] = None, async_op: bool = False,
             backend: Optional[str] = None) -> Optional[Work]:
     """Wait until every rank of the group reached this barrier."""
-    g = _group(group)
+    g = _group(group, "barrier")
     if g.rank < 0:
         return None
-    return _submit("barrier", g, 0, _BARRIER_REF, backend, async_op, lambda b, h: b.barrier(h))
+    return _submit("barrier", g, 0, _BARRIER_REF, backend, async_op, lambda b, h: b.barrier(h),
+                   skip_empty=False)
 
 
 _BARRIER_REF = torch.empty(0, dtype=torch.uint8)
@@ -589,7 +591,14 @@ def recv(tensor: torch.Tensor, src: int, group: Optional[Group] = None, tag: int
 
 
 def _p2p(op: str, tensor, peer, group, tag, backend, async_op):
-    g = _group(group)
+    start = _p2p_plan(op, tensor, peer, group, tag, backend)
+    return None if start is None else start(async_op)
+
+
+def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False):
+    """Validate one send/recv; return a function that starts it (None: not a member).
+    ``precheck`` also asks the selector now, so a batch refuses before sending."""
+    g = _group(group, op)
     _check(op, tensor)
     if g.rank < 0:
         return None
@@ -599,34 +608,39 @@ def _p2p(op: str, tensor, peer, group, tag, backend, async_op):
     gpeer = _root(op, g, peer, what)
     if gpeer == g.rank:
         raise ValueError(f"{op}: {what}={peer} is this rank itself")
-    if not isinstance(tag, int) or tag < 0:
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
         raise ValueError(f"{op}: tag must be a non-negative int, got {tag!r}")
+    if precheck:
+        _runtime.selector.choose(op, _nbytes(tensor), g.size, tensor.device.type, tensor.dtype,
+                                 None, backend)
     post: list = []
     sending = op in ("send", "isend")
     t = _contiguous(tensor, not sending, post)
     if sending:
-        start = lambda b, h: b.send(h, t, gpeer, tag)
+        begin = lambda b, h: b.send(h, t, gpeer, tag)
         reads, writes = (tensor,), ()
     else:
-        start = lambda b, h: b.recv(h, t, gpeer, tag)
+        begin = lambda b, h: b.recv(h, t, gpeer, tag)
         reads, writes = (), (tensor,)
-    return _submit(op, g, _nbytes(tensor), tensor, backend, async_op, start, reads=reads,
-                   writes=writes, post=post, result=[tensor], collective=False)
+    return lambda async_op: _submit(op, g, _nbytes(tensor), tensor, backend, async_op, begin,
+                                    reads=reads, writes=writes, post=post, result=[tensor],
+                                    collective=False, skip_empty=False)
 
 
 def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:
-    """Start every send/recv of the list; returns one work per op."""
-    if not p2p_op_list:
-        raise ValueError("batch_isend_irecv: p2p_op_list is empty")
-    works = []
+    """Start every send/recv of the list; returns one work per op. Every item is
+    validated before any is started."""
+    if not isinstance(p2p_op_list, (list, tuple)) or not p2p_op_list:
+        raise ValueError("batch_isend_irecv: p2p_op_list must be a non-empty list of P2POp")
+    plans = []
     for i, p in enumerate(p2p_op_list):
         if not isinstance(p, P2POp):
             raise TypeError(f"batch_isend_irecv: item {i} is {type(p).__name__}, expected P2POp")
         fn = getattr(p.op, "__name__", "")
         if fn not in ("isend", "irecv"):
             raise ValueError(f"batch_isend_irecv: item {i}: op must be mcrdl.isend or mcrdl.irecv")
-        works.append(_p2p(fn, p.tensor, p.peer, p.group, p.tag, p.backend, True))
-    return works
+        plans.append(_p2p_plan(fn, p.tensor, p.peer, p.group, p.tag, p.backend, precheck=True))
+    return [start(True) for start in plans if start is not None]
 
 
 # -- argument helpers -----------------------------------------------------------------------

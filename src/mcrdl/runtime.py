@@ -20,9 +20,11 @@ class Group:
     """A set of ranks usable with every live backend (an MPI communicator and
     a torch process group behind one object)."""
 
-    __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "_index")
+    __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index")
 
-    def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str):
+    def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
+                 owner: "Runtime"):
+        self.owner = owner  # the runtime whose backends hold the handles
         self.ranks = tuple(ranks)
         self._index = {r: i for i, r in enumerate(self.ranks)}
         self.rank = self._index.get(my_global_rank, -1)  # -1: not a member
@@ -145,18 +147,27 @@ class Runtime:
         if bad:
             raise ValueError(f"new_group: ranks {bad} are outside the world of {self.world_size}")
         tag = name or f"group{len(self.groups)}"
-        group = Group(ranks, self.rank, self.timeout if timeout is None else _seconds(timeout), tag)
+        seconds = self.timeout if timeout is None else _seconds(timeout)
+        if not isinstance(seconds, (int, float)) or not seconds > 0:
+            raise ValueError(f"new_group: timeout must be a positive number of seconds or a "
+                             f"timedelta, got {timeout!r}")
+        group = Group(ranks, self.rank, seconds, tag, self)
         for bname, backend in self.backends.items():
             group.handles[bname] = backend.new_group(group.ranks, group.rank, tag)
         self.groups.append(group)
         return group
 
     def shutdown(self) -> None:
+        """Release every group handle, backend and the store now (a torch process
+        group still alive when the interpreter exits can abort the process)."""
         self.engine.shutdown()
         for group in reversed(self.groups):
             for bname, handle in group.handles.items():
                 self.backends[bname].destroy_group(handle)
+            group.handles.clear()
         for backend in self.backends.values():
             backend.shutdown()
         self.groups.clear()
+        self.backends.clear()
+        self.world = None
         self.store = None

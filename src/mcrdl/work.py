@@ -187,7 +187,12 @@ class Work:
 
 
 def _seconds(timeout) -> float:
-    return timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    """Seconds from a number or a timedelta."""
+    if hasattr(timeout, "total_seconds"):
+        return timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"timeout must be a number of seconds or a timedelta, got {timeout!r}")
+    return float(timeout)
 
 
 class Engine:

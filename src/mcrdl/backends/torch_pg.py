@@ -91,10 +91,6 @@ class TorchBackend(Backend):
         store = dist.PrefixStore(f"mcrdl/{self.name}/{tag}/", self.ctx.store)
         return self._make_pg(store, group_rank, len(ranks))
 
-    def destroy_group(self, handle):
-        if handle is not None and hasattr(handle, "shutdown"):
-            handle.shutdown()
-
     # -- operations --------------------------------------------------------------
     def all_reduce(self, pg, tensor, op):
         opts = dist.AllreduceOptions()
@@ -155,6 +151,11 @@ class GlooBackend(TorchBackend):
             return "this torch build has no gloo"
         if ctx.store is None:
             return "no rendezvous store"
+        return None
+
+    def unsupported(self, op, dtype, reduce_op):
+        if dtype == torch.int16:
+            return "gloo has no int16 support"
         return None
 
     def _make_pg(self, store, group_rank, size):
