@@ -68,7 +68,9 @@ def _rt() -> Runtime:
 
 
 def _group(group: Optional[Group], op: str = "mcrdl") -> Group:
-    rt = _rt()
+    rt = _runtime
+    if rt is None:
+        _rt()  # raises the not-initialized error
     if group is None:
         return rt.world
     if not isinstance(group, Group):
@@ -200,6 +202,8 @@ def _reduction(op: str, tensors: Sequence[torch.Tensor], reduce_op, g: Group, po
     bool -> uint8 with SUM/MAX as logical or, PRODUCT/MIN as logical and;
     AVG -> SUM, then the rank holding the result divides (floating point
     only). Returns (tensors, op)."""
+    if reduce_op is ReduceOp.SUM and tensors[0].dtype is not torch.bool:
+        return tensors, reduce_op  # the common case, kept cheap
     try:
         rop = ReduceOp.coerce(reduce_op)
     except ValueError as exc:
@@ -245,7 +249,7 @@ def _control(rt: Runtime, g: Group, start: Callable, what: str) -> None:
     """Run a small synchronous control collective (agreement, fingerprints)."""
     name = _control_backend(rt)
     pending = start(rt.backends[name], g.handles[name])
-    rt.engine.run(Work(rt.engine, what, name, pending, timeout=g.timeout), async_op=False)
+    rt.engine.run(what, name, pending, (), (), (), g.timeout, (), False)
 
 
 def _control_max(rt: Runtime, g: Group, value: int) -> int:
@@ -298,8 +302,7 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
         pending = start(rt.backends[name], g.handles[name])
     except Exception as exc:
         raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
-    return engine.run(Work(engine, op, name, pending, reads, writes, post, g.timeout, result),
-                      async_op)
+    return engine.run(op, name, pending, reads, writes, post, g.timeout, result, async_op)
 
 
 def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
@@ -321,10 +324,10 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
         return None
     post: list = []
     (t,), rop = _reduction("all_reduce", [_contiguous(tensor, True, post)], op, g, post)
-    nbytes = _nbytes(tensor)
+    nbytes = tensor.nbytes
     return _submit("all_reduce", g, nbytes, tensor, backend, async_op,
                    lambda b, h: b.all_reduce(h, t, rop), reads=(tensor,), writes=(tensor,),
-                   post=post, result=[tensor], reduce_op=rop, invariant=list(tensor.shape))
+                   post=post, result=[tensor], reduce_op=rop, invariant=tensor.shape)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
@@ -399,7 +402,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     return _submit(op, g, _nbytes(flat), tensor, backend, async_op,
                    lambda b, h: b.all_gather_into_tensor(h, flat, inp.view(-1)),
                    reads=(tensor,), writes=tuple(tensor_list), post=post, result=tensor_list,
-                   invariant=list(tensor.shape))
+                   invariant=tensor.shape)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,

@@ -52,6 +52,7 @@ class Selector:
                                  f"different backends ({self.static[cls]!r}, {name!r})")
             self.static[cls] = name
         self._capable: dict[tuple, Optional[str]] = {}
+        self._cache: dict[tuple, str] = {}  # full decisions, bounded
 
     @classmethod
     def from_env(cls, live, default, op_backends, table) -> "Selector":
@@ -79,7 +80,19 @@ class Selector:
 
     def choose(self, op: str, nbytes: int, group_size: int, device: str, dtype: torch.dtype,
                reduce_op=None, explicit: Optional[str] = None) -> str:
-        """The backend for one call (hot path: a few dict lookups and a bisect)."""
+        """The backend for one call (hot path: one dict lookup once seen)."""
+        key = (op, nbytes, group_size, device, dtype, reduce_op, explicit)
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        name = self._choose(op, nbytes, group_size, device, dtype, reduce_op, explicit)
+        if len(self._cache) >= 4096:
+            self._cache.clear()
+        self._cache[key] = name
+        return name
+
+    def _choose(self, op, nbytes, group_size, device, dtype, reduce_op, explicit) -> str:
         cls = OP_CLASS[op]
         if explicit is not None:
             reason = self.why_not(explicit, op, device, dtype, reduce_op)

@@ -29,6 +29,9 @@ class ReduceOp(enum.Enum):
             raise ValueError(f"unknown reduce op {op!r}; expected one of {[m.name for m in cls]}") from None
 
 
+ReduceOp.__hash__ = object.__hash__  # members are singletons: identity hash, no Python call
+
+
 class CommError(RuntimeError):
     """A communication operation failed; the message names op and backend."""
 

@@ -238,24 +238,27 @@ class Engine:
                                     f"{work.op} on '{work.backend}' touching the same tensor "
                                     f"failed: {exc}") from exc
 
-    def run(self, work: Work, async_op: bool) -> Optional[Work]:
-        """Start tracking ``work``; for a blocking op wait for it and return None."""
-        if not async_op and self._blocking_is_safe(work._pending):
-            # Nobody else can see this request: no lock, no bookkeeping.
-            pending = work._pending
-            deadline = time.monotonic() + work._timeout
+    def run(self, op: str, backend: str, pending: Pending, reads, writes, post, timeout: float,
+            result, async_op: bool) -> Optional[Work]:
+        """Track a started operation: return its Work (``async_op``) or wait for it.
+
+        A blocking op that may block in its own library (nothing outstanding
+        that needs another library's progress) is waited for without creating
+        a Work or taking a lock: nobody else can see its request."""
+        if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
             try:
-                done = pending.block(deadline)
+                if pending.block(time.monotonic() + timeout):
+                    for fn in post:
+                        fn()
+                    return None
             except Exception as exc:
+                work = Work(self, op, backend, pending, reads, writes, post, timeout, result)
                 work._finish(exc)
-            else:
-                if not done:
-                    self._abandon(work, work._timeout)
-                else:
-                    work._finish()
-            if work._error is not None:
-                raise work._error
-            return None
+                raise work._error from exc
+            work = Work(self, op, backend, pending, reads, writes, post, timeout, result)
+            self._abandon(work, timeout)
+            raise work._error
+        work = Work(self, op, backend, pending, reads, writes, post, timeout, result)
         with self._lock:
             self.outstanding.append(work)
         if async_op:

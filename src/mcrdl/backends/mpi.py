@@ -124,6 +124,10 @@ class MPIBackend(Backend):
     # -- operations --------------------------------------------------------------
     def all_reduce(self, comm, tensor, op):
         mop = self.reduce_ops[op]
+        dt = self.reduce_types.get(tensor.dtype)
+        if dt is not None and not tensor.is_cuda:  # the latency-critical case, inlined
+            buf = [self.MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes), dt]
+            return MPIPending(comm.Iallreduce(self.MPI.IN_PLACE, buf, mop), tensor)
         return self._reduction([tensor], lambda b: comm.Iallreduce(self.MPI.IN_PLACE, b, mop))
 
     def broadcast(self, comm, tensor, root):
