@@ -1,4 +1,4 @@
-"""The ``mcrdl`` command: run, info, explain."""
+"""The ``mcrdl`` command: run, info, explain, bench, tune."""
 from __future__ import annotations
 
 import argparse
@@ -62,6 +62,165 @@ def _cmd_explain(args) -> int:
     return 0
 
 
+def _in_job() -> bool:
+    import os
+
+    from .backends.mpi import mpi_launched
+
+    return mpi_launched() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _relaunch(args, argv: Sequence[str]) -> Optional[int]:
+    """``mcrdl bench -n N ...`` outside a job starts N ranks of itself."""
+    if not args.nprocs or _in_job():
+        return None
+    from . import launcher
+
+    rest, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a in ("-n", "--nprocs"):
+            skip = True
+        elif not a.startswith(("-n=", "--nprocs=")) and not (a.startswith("-n") and a[2:].isdigit()):
+            rest.append(a)
+    return launcher.run(launcher.build_command(args.nprocs, ["-m", "mcrdl.cli", *rest]))
+
+
+def _sweep_settings(args, quick_sizes, default_max):
+    from .bench import default_sizes
+
+    if args.sizes:
+        sizes = [_size(s) for s in args.sizes.split(",")]
+    elif args.quick:
+        sizes = quick_sizes
+    else:
+        sizes = [s for s in default_sizes(args.max_bytes or default_max)]
+        sizes = sizes[::args.step] if args.step > 1 else sizes
+    return sizes
+
+
+def _init_for_tools(args):
+    import mcrdl
+
+    mcrdl.init_process_group(tuning_table=getattr(args, "table", None), timeout=args.timeout)
+    return mcrdl
+
+
+def _progress(total: int, enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), disable=not enabled, transient=False)
+    task = progress.add_task("starting", total=total)
+
+    def step(label: str) -> None:
+        progress.update(task, description=label, advance=0 if step.first else 1)
+        step.first = False
+    step.first = True
+    return progress, task, step
+
+
+def _cmd_bench(args, argv) -> int:
+    rc = _relaunch(args, argv)
+    if rc is not None:
+        return rc
+    from . import bench
+
+    mcrdl = _init_for_tools(args)
+    try:
+        rank = mcrdl.get_rank()
+        live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+        variants = (args.variants.split(",") if args.variants else
+                    live + ["mcrdl"] + [f"raw-{b}" for b in ("mpi", "gloo") if b in live])
+        unknown = [v for v in variants if v not in live + ["mcrdl", "raw-mpi", "raw-gloo"]
+                   or (v.startswith("raw-") and v[4:] not in live)]
+        if unknown:
+            raise ValueError(f"unknown or not live variants {unknown} (live backends: {live})")
+        ops = args.ops.split(",") if args.ops else list(bench.BENCH_OPS)
+        bad = [o for o in ops if o not in bench.BENCH_OPS]
+        if bad:
+            raise ValueError(f"unknown ops {bad} (expected {', '.join(bench.BENCH_OPS)})")
+        sizes = _sweep_settings(args, [4, 1024, 65536, 1 << 20], 16 << 20)
+        iters = args.iters or (20 if args.quick else 100)
+        large = args.large_iters or (5 if args.quick else 10)
+        rounds = args.rounds or (2 if args.quick else 3)
+        progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
+        with progress:
+            b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step)
+            try:
+                results = b.sweep(ops, sizes)
+            finally:
+                b.close()
+            progress.update(task, advance=1, description="done")
+        meta = bench.metadata({"ops": ops, "sizes": sizes, "variants": variants, "iters": iters,
+                               "large_iters": large, "rounds": rounds, "warmup": args.warmup})
+        if rank == 0:
+            bench.print_tables(results)
+            if args.json:
+                bench.write_json(args.json, results, meta)
+            if args.csv:
+                bench.write_csv(args.csv, results)
+            if args.plot:
+                from .plots import plot_ops
+                print("plots:", ", ".join(plot_ops(results, args.plot, title=f"({mcrdl.get_world_size()} ranks)")))
+        failed = [r for r in results if r.check == "FAIL"]
+        if failed and rank == 0:
+            print(f"CHECK FAILED: {len(failed)} results: " + ", ".join(
+                f"{r.op} {r.bytes} B on {r.variant}" for r in failed[:10]))
+        return 1 if failed else 0
+    finally:
+        mcrdl.destroy_process_group()
+
+
+def _cmd_tune(args, argv) -> int:
+    rc = _relaunch(args, argv)
+    if rc is not None:
+        return rc
+    import json
+
+    from . import bench, tune
+
+    mcrdl = _init_for_tools(args)
+    try:
+        rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+        live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+        backends = args.backends.split(",") if args.backends else live
+        ops = args.ops.split(",") if args.ops else list(bench.BENCH_OPS)
+        sizes = _sweep_settings(args, [4, 256, 4096, 65536, 1 << 20, 4 << 20], 16 << 20)
+        iters = args.iters or (20 if args.quick else 100)
+        large = args.large_iters or (4 if args.quick else 10)
+        rounds = args.rounds or (3 if args.quick else 5)
+        progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
+        with progress:
+            b = bench.Bench(backends, iters, large, args.warmup, rounds, False, step)
+            results = b.sweep(ops, sizes)
+            progress.update(task, advance=1, description="done")
+        meta = bench.metadata({"ops": ops, "sizes": sizes, "backends": backends, "iters": iters,
+                               "large_iters": large, "rounds": rounds, "warmup": args.warmup,
+                               "quick": args.quick})
+        table = tune.make_table(results, backends, world, meta, args.margin)
+        if rank == 0:
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(table, f, indent=2)
+                f.write("\n")
+            print(f"tuning table written to {args.out}")
+            print("crossovers:")
+            for line in tune.crossovers(table):
+                print("  " + line)
+            print("expected speed-up of the table over each single backend (geomean / max over sizes):")
+            for op, per in tune.gains(results, table, backends).items():
+                print(f"  {op:15s} " + "  ".join(f"vs {b}: {g:.2f}x / {m:.2f}x" for b, (g, m) in per.items()))
+            if args.results:
+                bench.write_json(args.results, results, meta)
+            if args.plot:
+                from .plots import plot_ops
+                print("plots:", ", ".join(plot_ops(results, args.plot, table, f"({world} ranks, tuned)")))
+        return 0
+    finally:
+        mcrdl.destroy_process_group()
+
+
 def _parse_map(spec: Optional[str]):
     from .selector import parse_op_backends
 
@@ -103,12 +262,44 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--default", help="default backend")
     e.add_argument("--backend", help="forced backend")
     e.set_defaults(func=_cmd_explain)
+
+    for name, fn, helptext in (("bench", _cmd_bench, "OSU-style micro-benchmarks of every op and backend"),
+                               ("tune", _cmd_tune, "measure every backend and write a tuning table")):
+        c = sub.add_parser(name, help=helptext)
+        c.add_argument("-n", "--nprocs", type=int, help="launch this many local ranks (outside a job)")
+        c.add_argument("--ops", help="comma-separated ops (default: all)")
+        c.add_argument("--sizes", help="comma-separated sizes, e.g. 4,64K,1M")
+        c.add_argument("--max-bytes", type=_size, help="largest size of the default doubling range")
+        c.add_argument("--step", type=int, default=1, help="keep every STEP-th size of the doubling range")
+        c.add_argument("--iters", type=int, help="timed iterations below 8 KB")
+        c.add_argument("--large-iters", type=int, help="timed iterations from 8 KB")
+        c.add_argument("--warmup", type=int, default=3)
+        c.add_argument("--rounds", type=int, help="interleaved rounds (median taken)")
+        c.add_argument("--quick", action="store_true", help="few sizes and iterations (demo, tests)")
+        c.add_argument("--plot", metavar="DIR", help="write one PNG per op into DIR")
+        c.add_argument("--timeout", type=float, default=300, help="per-op timeout (s)")
+        if name == "bench":
+            c.add_argument("--variants", help="e.g. mpi,gloo,mcrdl,raw-mpi,raw-gloo (default: all)")
+            c.add_argument("--check", action="store_true", help="verify results on exact values")
+            c.add_argument("--table", help="tuning table for the 'mcrdl' (selected) variant")
+            c.add_argument("--json", help="write results as JSON")
+            c.add_argument("--csv", help="write results as CSV")
+        else:
+            c.add_argument("--backends", help="backends to compare (default: all live)")
+            c.add_argument("--margin", type=float, default=0.05,
+                           help="a new backend must be this much faster to take over (default 0.05)")
+            c.add_argument("--out", default="mcrdl-tuning.json", help="tuning table to write")
+            c.add_argument("--results", help="also write the raw measurements as JSON")
+        c.set_defaults(func=fn, wants_argv=True)
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     try:
+        if getattr(args, "wants_argv", False):
+            return args.func(args, argv)
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"mcrdl {args.command}: {exc}", file=sys.stderr)

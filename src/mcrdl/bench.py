@@ -1,0 +1,411 @@
+"""OSU-style micro-benchmarks of every op on every variant, in one interleaved run.
+
+A *variant* is one way to run an op: a live backend forced through mcrdl
+(``mpi``, ``gloo``, ...), mcrdl's own selection (``mcrdl``), or the raw
+library call without mcrdl (``raw-mpi``: mpi4py on numpy buffers made once;
+``raw-gloo``: ``torch.distributed`` on its own gloo group). Message size ``S``
+is the op's lookup size (docs/tuning-table.md): the full buffer for
+gather-type ops, the bytes each rank sends for all-to-all, the message for p2p.
+
+Method: per (op, size), warm-up, then ``rounds`` rounds that run every variant
+in turn (interleaved); in each, a barrier and a timed loop of ``iters`` calls
+(more below 8 KB), per-call time = loop time / iters. Per round the per-call
+times are reduced across ranks (avg, min, max); a result is the median over
+rounds. algbw = S / t; busbw = algbw x factor (nccl-tests). p2p is a ping-pong
+between ranks 0 and 1: latency is half the round trip.
+"""
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import api
+from .tuning import SELECT_OPS
+
+FORMAT = "mcrdl-bench/1"
+#: Ops the bench knows (selection classes without barrier).
+BENCH_OPS = tuple(op for op in SELECT_OPS if op != "barrier")
+SMALL = 8192  # bytes: below this, more iterations (as OSU)
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests bus bandwidth factor for an op on ``n`` ranks."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0
+
+
+def default_sizes(max_bytes: int = 32 << 20, min_bytes: int = 4) -> list[int]:
+    """Doubling sizes from ``min_bytes`` to ``max_bytes``."""
+    sizes, s = [], min_bytes
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+@dataclass
+class Result:
+    op: str
+    bytes: int
+    variant: str
+    backend: str  # the backend that ran it ("raw" for raw calls)
+    iters: int
+    rounds: int
+    avg_us: float  # median over rounds of the mean across ranks
+    min_us: float  # ... of the fastest rank
+    max_us: float  # ... of the slowest rank (the collective's time)
+    round_max_us: list = field(default_factory=list)
+    algbw_gbps: float = 0.0
+    busbw_gbps: float = 0.0
+    check: str = "skipped"
+
+
+# -- the calls ------------------------------------------------------------------
+class _Case:
+    """Buffers and the call for one (op, size, variant); ``check`` verifies a
+    result made from exact values."""
+
+    def __init__(self, op: str, nbytes: int, variant: str, world: int, rank: int):
+        self.op, self.variant, self.world, self.rank = op, variant, world, rank
+        n = world
+        elems = max(nbytes // 4, 0)
+        if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
+            elems = max(elems // n, 1) * n  # divisible into n blocks
+        self.nbytes = elems * 4
+        self.elems = elems
+        self.part = elems // n if op in ("all_gather", "reduce_scatter", "gather", "scatter",
+                                          "all_to_all") else elems
+        self._setup()
+
+    # exact inputs: small integers depending on rank and position
+    def _value(self, rank: int, count: int) -> torch.Tensor:
+        return ((torch.arange(count) + rank) % 7 + 1).float()
+
+    def _setup(self) -> None:
+        op, n, rank = self.op, self.world, self.rank
+        full = self._value(rank, self.elems)
+        part = self._value(rank, self.part)
+        raw = self.variant.startswith("raw-")
+        if op in ("all_reduce", "broadcast", "reduce", "p2p"):
+            self.inp, self.out = full, full
+        elif op == "all_gather":
+            self.inp, self.out = part, torch.empty(self.elems)
+        elif op == "reduce_scatter":
+            self.inp, self.out = full, torch.empty(self.part)
+        elif op == "gather":
+            self.inp, self.out = part, torch.empty(self.elems) if rank == 0 else None
+        elif op == "scatter":
+            self.inp, self.out = (full if rank == 0 else None), torch.empty(self.part)
+        elif op == "all_to_all":
+            self.inp, self.out = full, torch.empty(self.elems)
+        self.fresh = {k: (v.clone() if v is not None else None) for k, v in
+                      (("inp", self.inp), ("out", self.out))}
+        if raw:
+            self.call = self._raw_call()
+        else:
+            self.call = self._mcrdl_call(None if self.variant == "mcrdl" else self.variant)
+
+    def reset(self) -> None:
+        """Restore the exact inputs (in-place ops overwrite them while timing)."""
+        for k, v in self.fresh.items():
+            if v is not None:
+                getattr(self, k).copy_(v)
+
+    def _mcrdl_call(self, backend: Optional[str]) -> Callable[[], None]:
+        op, inp, out, kw = self.op, self.inp, self.out, {"backend": backend}
+        if op == "all_reduce":
+            return lambda: api.all_reduce(inp, **kw)
+        if op == "broadcast":
+            return lambda: api.broadcast(inp, 0, **kw)
+        if op == "reduce":
+            return lambda: api.reduce(inp, 0, **kw)
+        if op == "all_gather":
+            return lambda: api.all_gather_into_tensor(out, inp, **kw)
+        if op == "reduce_scatter":
+            return lambda: api.reduce_scatter_tensor(out, inp, **kw)
+        if op == "gather":
+            chunks = list(out.chunk(self.world)) if out is not None else None
+            return lambda: api.gather(inp, chunks, 0, **kw)
+        if op == "scatter":
+            chunks = list(inp.chunk(self.world)) if inp is not None else None
+            return lambda: api.scatter(out, chunks, 0, **kw)
+        if op == "all_to_all":
+            return lambda: api.all_to_all_single(out, inp, **kw)
+        return self._pingpong(lambda t, peer: api.send(t, peer, **kw),
+                              lambda t, peer: api.recv(t, peer, **kw))
+
+    def _pingpong(self, send, recv) -> Callable[[], None]:
+        t = self.inp
+        if self.rank == 0:
+            return lambda: (send(t, 1), recv(t, 1))
+        if self.rank == 1:
+            return lambda: (recv(t, 0), send(t, 0))
+        return lambda: None
+
+    def _raw_call(self) -> Callable[[], None]:
+        op, n = self.op, self.world
+        if self.variant == "raw-mpi":
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+            a = lambda t: None if t is None else t.numpy()  # made once, shares memory
+            inp, out = a(self.inp), a(self.out)
+            calls = {
+                "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, inp),
+                "broadcast": lambda: comm.Bcast(inp, 0),
+                "reduce": lambda: comm.Reduce(MPI.IN_PLACE if self.rank == 0 else inp,
+                                              inp if self.rank == 0 else None, MPI.SUM, 0),
+                "all_gather": lambda: comm.Allgather(inp, out),
+                "reduce_scatter": lambda: comm.Reduce_scatter_block(inp, out, MPI.SUM),
+                "gather": lambda: comm.Gather(inp, out, 0),
+                "scatter": lambda: comm.Scatter(inp, out, 0),
+                "all_to_all": lambda: comm.Alltoall(inp, out),
+            }
+            if op == "p2p":
+                return self._pingpong(lambda t, p: comm.Send(inp, p), lambda t, p: comm.Recv(inp, p))
+            return calls[op]
+        import torch.distributed as dist
+
+        inp, out = self.inp, self.out
+        calls = {
+            "all_reduce": lambda: dist.all_reduce(inp),
+            "broadcast": lambda: dist.broadcast(inp, 0),
+            "reduce": lambda: dist.reduce(inp, 0),
+            "all_gather": lambda: dist.all_gather_into_tensor(out, inp),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, inp),
+            "gather": lambda: dist.gather(inp, list(out.chunk(n)) if out is not None else None, 0),
+            "scatter": lambda: dist.scatter(out, list(inp.chunk(n)) if inp is not None else None, 0),
+            "all_to_all": lambda: dist.all_to_all_single(out, inp),
+        }
+        if op == "p2p":
+            return self._pingpong(lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p))
+        return calls[op]
+
+    def check(self) -> bool:
+        """Run once on exact inputs and compare with the local reference."""
+        self.reset()
+        self.call()
+        op, n, rank = self.op, self.world, self.rank
+        vals = [self._value(r, self.elems) for r in range(n)]
+        parts = [self._value(r, self.part) for r in range(n)]
+        if op == "all_reduce":
+            return torch.equal(self.inp, sum(vals))
+        if op == "broadcast":
+            return torch.equal(self.inp, vals[0])
+        if op == "reduce":
+            return rank != 0 or torch.equal(self.inp, sum(vals))
+        if op == "all_gather":
+            return torch.equal(self.out, torch.cat(parts))
+        if op == "reduce_scatter":
+            return torch.equal(self.out, sum(vals)[rank * self.part:(rank + 1) * self.part])
+        if op == "gather":
+            return rank != 0 or torch.equal(self.out, torch.cat(parts))
+        if op == "scatter":
+            return torch.equal(self.out, vals[0][rank * self.part:(rank + 1) * self.part])
+        if op == "all_to_all":
+            return torch.equal(self.out, torch.cat([v[rank * self.part:(rank + 1) * self.part] for v in vals]))
+        if op == "p2p":  # after a ping-pong rank 0 and 1 hold rank 0's... then 1's echo
+            return rank > 1 or torch.equal(self.inp, vals[0])
+        raise ValueError(op)
+
+
+# -- the harness ------------------------------------------------------------------------
+class Bench:
+    """Runs interleaved measurements inside an initialised mcrdl job."""
+
+    def __init__(self, variants: Sequence[str], iters: int = 200, large_iters: int = 20,
+                 warmup: int = 5, rounds: int = 5, check: bool = False,
+                 progress: Optional[Callable[[str], None]] = None):
+        self.rank, self.world = api.get_rank(), api.get_world_size()
+        self.variants = list(variants)
+        self.iters, self.large_iters, self.warmup, self.rounds = iters, large_iters, warmup, rounds
+        self.do_check = check
+        self.progress = progress
+        self.harness = "mpi" if api.available_backends().get("mpi") == "live" else api.get_default_backend()
+        if any(v == "raw-gloo" for v in self.variants):
+            self._init_raw_gloo()
+
+    def _init_raw_gloo(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            store = dist.PrefixStore("raw-gloo/", api._rt().store)
+            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world,
+                                    timeout=_dt.timedelta(seconds=api._rt().timeout))
+            self._own_raw_gloo = True
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if getattr(self, "_own_raw_gloo", False) and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _reduce3(self, value: float) -> tuple[float, float, float]:
+        """(avg, min, max) of a per-rank value across the world."""
+        t = torch.tensor([value, -value, value], dtype=torch.float64)
+        s = t[:1].clone()
+        api.all_reduce(s, backend=self.harness)
+        api.all_reduce(t[1:], op=api.ReduceOp.MAX, backend=self.harness)
+        return float(s[0]) / self.world, -float(t[1]), float(t[2])
+
+    def measure(self, op: str, nbytes: int) -> list[Result]:
+        """All variants at one (op, size), interleaved over rounds."""
+        cases = {v: _Case(op, nbytes, v, self.world, self.rank) for v in self.variants}
+        size = next(iter(cases.values())).nbytes
+        checks = {}
+        if self.do_check:
+            for v, case in cases.items():
+                ok = case.check()
+                flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+                api.all_reduce(flag, op=api.ReduceOp.MAX, backend=self.harness)
+                checks[v] = "ok" if int(flag) == 0 else "FAIL"
+        iters = self.iters if size < SMALL else self.large_iters
+        if op == "p2p":
+            iters = max(iters // 2, 1)
+        for case in cases.values():
+            for _ in range(self.warmup):
+                case.call()
+        per_round = {v: [] for v in cases}
+        for _ in range(self.rounds):
+            for v, case in cases.items():
+                api.barrier(backend=self.harness)
+                call = case.call
+                start = time.perf_counter()
+                for _ in range(iters):
+                    call()
+                per_call = (time.perf_counter() - start) / iters * 1e6
+                if op == "p2p":
+                    per_call /= 2  # one way of the ping-pong
+                per_round[v].append(self._reduce3(per_call))
+        out = []
+        for v, rounds in per_round.items():
+            avg = statistics.median(r[0] for r in rounds)
+            mn = statistics.median(r[1] for r in rounds)
+            mx = statistics.median(r[2] for r in rounds)
+            backend = "raw" if v.startswith("raw-") else (
+                v if v != "mcrdl" else _selected(op, size))
+            algbw = size / (mx * 1e-6) / 1e9 if mx > 0 else 0.0
+            out.append(Result(op, size, v, backend, iters, self.rounds, avg, mn, mx,
+                              [r[2] for r in rounds], algbw, algbw * busbw_factor(op, self.world),
+                              checks.get(v, "skipped")))
+        return out
+
+    def sweep(self, ops: Sequence[str], sizes: Sequence[int]) -> list[Result]:
+        results = []
+        for op in ops:
+            for nbytes in sizes:
+                if self.progress:
+                    self.progress(f"{op} {human(nbytes)}")
+                results.extend(self.measure(op, nbytes))
+        return results
+
+
+def _selected(op: str, nbytes: int) -> str:
+    """The backend mcrdl's selection picks for this benchmark's call."""
+    rt = api._rt()
+    return rt.selector.choose(op, nbytes, rt.world.size, "cpu", torch.float32, None, None)
+
+
+def human(nbytes: int) -> str:
+    for unit, div in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div}{unit}"
+    return f"{nbytes}"
+
+
+def metadata(settings: dict) -> dict:
+    """Where and how a measurement was made (hosts, versions, date, settings)."""
+    import mpi4py
+
+    hosts = sorted(set(_allgather_str(socket.gethostname())))
+    return {"hosts": hosts, "world_size": api.get_world_size(),
+            "versions": {"mcrdl": __import__("mcrdl").__version__, "torch": torch.__version__,
+                         "mpi4py": mpi4py.__version__, **api.get_backend_versions()},
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "cpus": os.cpu_count(), "sweep": settings}
+
+
+def _allgather_str(text: str) -> list[str]:
+    from .api import _control_allgather
+
+    rt = api._rt()
+    return [b.decode() for b in _control_allgather(rt, rt.world, text.encode())]
+
+
+def write_json(path: str, results: Sequence[Result], meta: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "metadata": meta, "results": [asdict(r) for r in results]},
+                  f, indent=1)
+        f.write("\n")
+
+
+CSV_FIELDS = ("op", "bytes", "variant", "backend", "iters", "rounds", "avg_us", "min_us",
+              "max_us", "algbw_gbps", "busbw_gbps", "check")
+
+
+def write_csv(path: str, results: Sequence[Result]) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in results:
+            w.writerow(asdict(r))
+
+
+def load_json(path: str) -> tuple[list[Result], dict]:
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an mcrdl bench result (format {doc.get('format')!r})")
+    return [Result(**r) for r in doc["results"]], doc.get("metadata", {})
+
+
+def print_tables(results: Sequence[Result], console=None) -> None:
+    """One rich table per op: latency per variant, the fastest backend through
+    mcrdl, and the ratios users care about: selection over that best, and each
+    backend through mcrdl over its raw library call."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=None if os.isatty(1) else 160)
+    by_op: dict[str, dict[int, dict[str, Result]]] = {}
+    for r in results:
+        by_op.setdefault(r.op, {}).setdefault(r.bytes, {})[r.variant] = r
+    for op, by_size in by_op.items():
+        variants = list(next(iter(by_size.values())))
+        raw_pairs = [(v[4:], v) for v in variants if v.startswith("raw-") and v[4:] in variants]
+        table = Table(title=f"{op}: latency in us (slowest rank, median over rounds)")
+        table.add_column("bytes", justify="right")
+        for v in variants:
+            table.add_column(v, justify="right")
+        table.add_column("best", justify="left")
+        table.add_column("busbw GB/s", justify="right")
+        if "mcrdl" in variants:
+            table.add_column("mcrdl/best", justify="right")
+        for b, raw in raw_pairs:
+            table.add_column(f"{b}/{raw}", justify="right")
+        for size, rs in sorted(by_size.items()):
+            forced = {v: r for v, r in rs.items() if v != "mcrdl" and not v.startswith("raw-")}
+            best = min(forced, key=lambda v: forced[v].max_us) if forced else None
+            row = [human(size)]
+            for v in variants:
+                cell = f"{rs[v].max_us:.1f}"
+                row.append(f"[red]{cell} FAIL[/red]" if rs[v].check == "FAIL" else cell)
+            row += [best or "", f"{forced[best].busbw_gbps:.2f}" if best else ""]
+            if "mcrdl" in variants:
+                row.append(f"{rs['mcrdl'].max_us / forced[best].max_us:.2f}" if best else "")
+            row += [f"{rs[b].max_us / rs[raw].max_us:.2f}" for b, raw in raw_pairs]
+            table.add_row(*row)
+        console.print(table)

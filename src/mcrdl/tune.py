@@ -1,0 +1,102 @@
+"""Turn interleaved measurements into a tuning table.
+
+For each op, sizes are walked in increasing order; the fastest backend (median
+over rounds of the slowest rank's time) wins a size, but the previous size's
+winner keeps it unless the new one is faster by more than ``margin`` (no
+flipping on noise). Adjacent sizes with one winner merge into one range whose
+``max_bytes`` is its largest measured size; the last range is open-ended.
+Each range records the smallest measured advantage of its backend over the
+runner-up (``margin``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .bench import Result, human
+from .tuning import FORMAT
+
+
+def decide(results: Sequence[Result], backends: Sequence[str], margin: float = 0.05):
+    """{op: [(size, winner, advantage)]} from forced-backend results."""
+    table: dict[str, dict[int, dict[str, float]]] = {}
+    for r in results:
+        if r.variant in backends:
+            table.setdefault(r.op, {}).setdefault(r.bytes, {})[r.variant] = r.max_us
+    out = {}
+    for op, by_size in table.items():
+        rows, incumbent = [], None
+        for size in sorted(by_size):
+            times = by_size[size]
+            best = min(times, key=times.get)
+            if incumbent in times and times[incumbent] <= times[best] * (1 + margin):
+                best = incumbent
+            others = [t for b, t in times.items() if b != best]
+            advantage = (min(others) / times[best] - 1) if others else 0.0
+            rows.append((size, best, advantage))
+            incumbent = best
+        out[op] = rows
+    return out
+
+
+def ranges(rows):
+    """Merge adjacent sizes with the same winner: [(max_bytes|None, backend, margin)]."""
+    merged = []
+    for size, backend, adv in rows:
+        if merged and merged[-1][1] == backend:
+            merged[-1] = (size, backend, min(merged[-1][2], adv))
+        else:
+            merged.append((size, backend, adv))
+    return [(None if i == len(merged) - 1 else s, b, a) for i, (s, b, a) in enumerate(merged)]
+
+
+def make_table(results: Sequence[Result], backends: Sequence[str], world: int, meta: dict,
+               margin: float = 0.05) -> dict:
+    """A tuning-table document (``mcrdl-tuning/1``) for group size ``world``."""
+    rules = {}
+    for op, rows in decide(results, backends, margin).items():
+        rules[op] = {str(world): [
+            {"max_bytes": mb, "backend": b, "margin": round(a, 4)} for mb, b, a in ranges(rows)]}
+    return {"format": FORMAT, "metadata": {**meta, "decision": {
+        "statistic": "median over rounds of the slowest rank's per-call time",
+        "hysteresis": margin}}, "rules": rules}
+
+
+def crossovers(table: dict) -> list[str]:
+    """Readable lines: where each op switches backend."""
+    lines = []
+    for op, by_size in table["rules"].items():
+        for g, rules in by_size.items():
+            parts, low = [], 0
+            for r in rules:
+                hi = "inf" if r["max_bytes"] is None else human(r["max_bytes"])
+                parts.append(f"{r['backend']} {human(low) if low else '0'}..{hi} "
+                             f"(+{100 * r['margin']:.0f}%)")
+                low = (r["max_bytes"] or 0) + 1
+            lines.append(f"{op} [{g} ranks]: " + ", ".join(parts))
+    return lines
+
+
+def gains(results: Sequence[Result], table: dict, backends: Sequence[str]) -> dict:
+    """Expected speed-up of the table over each single backend, per op:
+    geometric mean and max of time(single) / time(table's choice) over sizes."""
+    import math
+
+    times: dict[str, dict[int, dict[str, float]]] = {}
+    for r in results:
+        if r.variant in backends:
+            times.setdefault(r.op, {}).setdefault(r.bytes, {})[r.variant] = r.max_us
+    out = {}
+    for op, by_size in times.items():
+        rules = table["rules"][op][next(iter(table["rules"][op]))]
+        per_backend = {}
+        for b in backends:
+            ratios = []
+            for size, t in by_size.items():
+                chosen = next(r["backend"] for r in rules
+                              if r["max_bytes"] is None or size <= r["max_bytes"])
+                if b in t and chosen in t:
+                    ratios.append(t[b] / t[chosen])
+            if ratios:
+                per_backend[b] = (math.exp(sum(map(math.log, ratios)) / len(ratios)), max(ratios))
+        out[op] = per_backend
+    return out
