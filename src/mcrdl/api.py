@@ -282,7 +282,7 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
     ``skip_empty``: a zero-byte op (same on every rank) sends nothing."""
     rt = _runtime
     sel = rt.selector
-    device = ref.device.type
+    device = "cpu" if ref.is_cpu else ref.device.type
     name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
     if agree and sel.needs_agreement(op, g.size, explicit):
         if rt.debug:
@@ -323,7 +323,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
     if g.rank < 0:
         return None
     post: list = []
-    (t,), rop = _reduction("all_reduce", [_contiguous(tensor, True, post)], op, g, post)
+    t = tensor if tensor.is_contiguous() else _contiguous(tensor, True, post)
+    (t,), rop = _reduction("all_reduce", (t,), op, g, post)
     nbytes = tensor.nbytes
     return _submit("all_reduce", g, nbytes, tensor, backend, async_op,
                    lambda b, h: b.all_reduce(h, t, rop), reads=(tensor,), writes=(tensor,),

@@ -62,16 +62,16 @@ def make_table(results: Sequence[Result], backends: Sequence[str], world: int, m
 
 
 def crossovers(table: dict) -> list[str]:
-    """Readable lines: where each op switches backend."""
+    """Readable lines: which backend each op uses up to which size."""
     lines = []
     for op, by_size in table["rules"].items():
         for g, rules in by_size.items():
-            parts, low = [], 0
+            parts, prev = [], None
             for r in rules:
-                hi = "inf" if r["max_bytes"] is None else human(r["max_bytes"])
-                parts.append(f"{r['backend']} {human(low) if low else '0'}..{hi} "
-                             f"(+{100 * r['margin']:.0f}%)")
-                low = (r["max_bytes"] or 0) + 1
+                span = (f"<= {human(r['max_bytes'])}" if r["max_bytes"] is not None
+                        else (f"> {human(prev)}" if prev is not None else "all sizes"))
+                parts.append(f"{r['backend']} {span} (+{100 * r['margin']:.0f}%)")
+                prev = r["max_bytes"]
             lines.append(f"{op} [{g} ranks]: " + ", ".join(parts))
     return lines
 

@@ -49,7 +49,8 @@ class MPIPending(Pending):
         return self.req.Test()
 
     def block(self, deadline: float) -> bool:
-        return spin_until(self.req.Test, deadline)
+        test = self.req.Test
+        return test() or spin_until(test, deadline)
 
 
 class MPIBackend(Backend):
