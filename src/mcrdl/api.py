@@ -17,7 +17,7 @@ from .backends import REGISTRY
 from .runtime import DEFAULT_TIMEOUT, Group, Runtime
 from .tuning import TuningTable
 from .types import CommError, P2POp, ReduceOp, UnsupportedError
-from .work import Done, Work, _seconds
+from .work import AfterAll, Done, Work, _seconds
 
 _runtime: Optional[Runtime] = None
 
@@ -303,6 +303,18 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
     except Exception as exc:
         raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
     return engine.run(op, name, pending, reads, writes, post, g.timeout, result, async_op)
+
+
+def combine(op: str, works: Sequence[Optional[Work]], post: Sequence[Callable[[], None]] = (),
+            result: Sequence[torch.Tensor] = (), async_op: bool = True,
+            group: Optional[Group] = None) -> Optional[Work]:
+    """One Work for several async works (features built on the API, e.g.
+    fusion): it completes when all have, then runs ``post`` (e.g. unpacking).
+    With ``async_op=False`` waits and returns None."""
+    rt, g = _rt(), _group(group, op)
+    works = [w for w in works if w is not None]
+    backends = "+".join(dict.fromkeys(w.backend for w in works)) or "none"
+    return rt.engine.run(op, backends, AfterAll(rt.engine, works), (), (), post, g.timeout, result, async_op)
 
 
 def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:

@@ -52,6 +52,26 @@ class Done(Pending):
         return True
 
 
+class AfterAll(Pending):
+    """Completes when every one of ``works`` has; raises the first failure.
+    The works are the engine's own, so polling the engine drives them."""
+
+    def __init__(self, engine: "Engine", works: Sequence["Work"]):
+        self.engine = engine
+        self.works = works
+
+    def block(self, deadline: float) -> bool:
+        return spin_until(lambda: (self.engine.poll(), self.test())[1], deadline)
+
+    def test(self) -> bool:  # called from Engine.poll: must not poll itself
+        if not all(w._done for w in self.works):
+            return False
+        for w in self.works:
+            if w._error is not None:
+                raise w._error
+        return True
+
+
 def spin_until(test: Callable[[], bool], deadline: float) -> bool:
     """Poll ``test`` with a backoff that yields the CPU; True if it succeeded."""
     spins = 0
