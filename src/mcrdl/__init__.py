@@ -8,6 +8,7 @@ from .api import (DTYPES, all_gather, all_gather_into_tensor, all_reduce, all_to
                   is_initialized, isend, new_group, recv, reduce, reduce_scatter,
                   reduce_scatter_tensor, scatter, send)
 from .backends import register_backend
+from .features.logger import comms_records, comms_summary, export_comms, print_comms_summary
 from .runtime import Group
 from .tuning import TuningTable, TuningTableError
 from .types import CommError, CommTimeoutError, P2POp, ReduceOp, UnsupportedError

@@ -31,7 +31,7 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
                        timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,
                        op_backends: Optional[Mapping[str, str]] = None,
                        tuning_table: Union[None, str, dict, TuningTable] = None,
-                       debug: Optional[bool] = None) -> None:
+                       debug: Optional[bool] = None, comms_log: Optional[bool] = None) -> None:
     """Start every requested backend that can start in this job.
 
     ``backends``: names to start (default: all registered; those that cannot
@@ -40,11 +40,14 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
     ``op_backends``: static per-op map (or ``MCRDL_OP_BACKENDS``).
     ``tuning_table``: path, dict or table (or ``MCRDL_TUNING_TABLE``).
     ``debug``: check collective order across ranks (or ``MCRDL_DEBUG=1``).
+    ``comms_log``: record every op (or ``MCRDL_COMMS_LOG=1``; see
+    :mod:`mcrdl.features.logger`).
     """
     global _runtime
     if _runtime is not None:
         raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
-    _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug)
+    _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
+                       comms_log)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
 
 
@@ -53,6 +56,9 @@ def destroy_process_group() -> None:
     global _runtime
     atexit.unregister(destroy_process_group)
     if _runtime is not None:
+        if _runtime.logger is not None:
+            from .features.logger import at_destroy
+            at_destroy(_runtime.logger)
         rt, _runtime = _runtime, None
         rt.shutdown()
 
@@ -273,13 +279,15 @@ def _control_allgather(rt: Runtime, g: Group, data: bytes) -> list[bytes]:
 def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optional[str],
             async_op: bool, start: Callable, reads=(), writes=(), post=(), result=(),
             reduce_op=None, collective: bool = True, invariant=None, agree: bool = False,
-            skip_empty: bool = True):
+            skip_empty: bool = True, peer: int = -1, counts=None):
     """Select, check order, start and track one operation.
 
     The local choice comes first: it refuses what no backend can run before
     any message (agreement, fingerprint) is sent. ``agree``: the size differs
     per rank (all-to-all), so ranks agree on its maximum when that matters.
-    ``skip_empty``: a zero-byte op (same on every rank) sends nothing."""
+    ``skip_empty``: a zero-byte op (same on every rank) sends nothing.
+    ``peer`` (root or p2p peer, group rank) and ``counts`` (all-to-all element
+    counts per peer) only feed the communication logger."""
     rt = _runtime
     sel = rt.selector
     device = "cpu" if ref.is_cpu else ref.device.type
@@ -298,6 +306,10 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
     engine = rt.engine
     if engine.outstanding:
         engine.order_before(reads, writes, op, name)
+    if rt.logger is not None:
+        elem = ref.element_size()
+        post = [rt.logger.begin(op, name, g, nbytes, async_op, peer,
+                                None if counts is None else [c * elem for c in counts]), *post]
     try:
         pending = start(rt.backends[name], g.handles[name])
     except Exception as exc:
@@ -356,7 +368,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
     nbytes = _nbytes(tensor)
     return _submit("broadcast", g, nbytes, tensor, backend, async_op,
                    lambda b, h: b.broadcast(h, t, root), reads=(tensor,), writes=(tensor,),
-                   post=post, result=[tensor], invariant=[list(tensor.shape), src])
+                   post=post, result=[tensor], invariant=[list(tensor.shape), src], peer=root)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
@@ -373,7 +385,8 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
     nbytes = _nbytes(tensor)
     return _submit("reduce", g, nbytes, tensor, backend, async_op,
                    lambda b, h: b.reduce(h, t, root, rop), reads=(tensor,), writes=(tensor,),
-                   post=post, result=[tensor], reduce_op=rop, invariant=[list(tensor.shape), dst])
+                   post=post, result=[tensor], reduce_op=rop, invariant=[list(tensor.shape), dst],
+                   peer=root)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -485,7 +498,7 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
                    lambda b, h: b.gather(h, flat, inp, root), reads=(tensor,),
                    writes=tuple(gather_list or ()), post=post, result=gather_list or [],
-                   invariant=[list(tensor.shape), dst])
+                   invariant=[list(tensor.shape), dst], peer=root)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
@@ -509,7 +522,7 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
                    lambda b, h: b.scatter(h, out.view(-1), flat, root),
                    reads=tuple(scatter_list or ()), writes=(tensor,), post=post, result=[tensor],
-                   invariant=[list(tensor.shape), src])
+                   invariant=[list(tensor.shape), src], peer=root)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -538,7 +551,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     return _submit(op, g, _nbytes(input), input, backend, async_op,
                    lambda b, h: b.all_to_all_single(h, out.view(-1), inp.view(-1), out_counts, in_counts),
                    reads=(input,), writes=(output,), post=post, result=[output],
-                   invariant=list(input.shape[1:]), agree=True, skip_empty=False)
+                   invariant=list(input.shape[1:]), agree=True, skip_empty=False, counts=in_counts)
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
@@ -564,7 +577,7 @@ def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[t
                    lambda b, h: b.all_to_all_single(h, flat_out, flat_in, out_counts, in_counts),
                    reads=tuple(input_tensor_list), writes=tuple(output_tensor_list),
                    post=[_unpack(flat_out, output_tensor_list)], result=list(output_tensor_list),
-                   invariant=None, agree=True, skip_empty=False)
+                   invariant=None, agree=True, skip_empty=False, counts=in_counts)
 
 
 def barrier(group: Optional[Group] = None, async_op: bool = False,
@@ -640,7 +653,7 @@ def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False
         reads, writes = (), (tensor,)
     return lambda async_op: _submit(op, g, _nbytes(tensor), tensor, backend, async_op, begin,
                                     reads=reads, writes=writes, post=post, result=[tensor],
-                                    collective=False, skip_empty=False)
+                                    collective=False, skip_empty=False, peer=gpeer)
 
 
 def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:

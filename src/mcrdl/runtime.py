@@ -51,7 +51,8 @@ class Runtime:
 
     def __init__(self, backends: Optional[Iterable[str]], default_backend: Optional[str],
                  timeout: float, op_backends: Optional[Mapping[str, str]],
-                 tuning_table: Union[None, str, dict, TuningTable], debug: Optional[bool]):
+                 tuning_table: Union[None, str, dict, TuningTable], debug: Optional[bool],
+                 comms_log: Optional[bool] = None):
         requested = list(REGISTRY) if backends is None else list(backends)
         for name in requested:
             if name not in REGISTRY:
@@ -89,6 +90,12 @@ class Runtime:
             tuning_table = TuningTable.from_dict(tuning_table, REGISTRY, self.backends)
         self.selector = Selector.from_env(self.backends, default, op_backends, tuning_table)
         self.debug = os.environ.get("MCRDL_DEBUG", "0") == "1" if debug is None else bool(debug)
+        if comms_log is None:
+            comms_log = os.environ.get("MCRDL_COMMS_LOG", "0") == "1"
+        self.logger = None
+        if comms_log:
+            from .features.logger import CommsLogger
+            self.logger = CommsLogger(self.rank, self.world_size)
         self.groups: list[Group] = []
         self.world = self.new_group(range(self.world_size), timeout, name="world")
 

@@ -1,0 +1,343 @@
+"""`mcrdl bench` and `mcrdl tune` for real: 2-rank (and one 3-rank) runs through the CLI.
+
+Every sweep is tiny (two sizes, a handful of iterations): these tests check
+what the commands produce, not how fast anything is.
+"""
+import csv
+import datetime as dt
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mpi4py
+import pytest
+import torch
+
+import mcrdl
+from mcrdl import bench, tune
+from mcrdl.tuning import TuningTable
+
+from conftest import JOBS, run_job
+
+ROOT = Path(__file__).parents[1]
+OPS = ["all_reduce", "all_to_all"]
+VARIANTS = ["mpi", "gloo", "mcrdl", "raw-mpi", "raw-gloo"]
+TINY = ["--ops", ",".join(OPS), "--sizes", "4,64K", "--iters", "5", "--large-iters", "2",
+        "--rounds", "2", "--warmup", "1"]
+KNOWN = ["mpi", "gloo", "nccl"]
+LIVE = ["mpi", "gloo"]
+
+
+def mcrdl_cli(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "mcrdl.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}"
+    return proc
+
+
+# -- mcrdl bench -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    paths = {"json": d / "r.json", "csv": d / "r.csv", "plot": d / "plots"}
+    proc = mcrdl_cli("bench", "-n", "2", *TINY, "--check", "--json", paths["json"],
+                     "--csv", paths["csv"], "--plot", paths["plot"])
+    return proc, paths
+
+
+@pytest.fixture(scope="module")
+def bench_doc(bench_run):
+    ok(bench_run[0])
+    return json.loads(bench_run[1]["json"].read_text())
+
+
+def test_bench_exits_zero_and_prints_tables(bench_run):
+    proc, _ = ok(bench_run[0]), None
+    for op in OPS:
+        assert f"{op}: latency in us" in proc.stdout, proc.stdout[-3000:]
+    assert "CHECK FAILED" not in proc.stdout
+    assert "plots:" in proc.stdout
+
+
+def test_bench_json_metadata(bench_doc):
+    assert bench_doc["format"] == "mcrdl-bench/1"
+    meta = bench_doc["metadata"]
+    assert meta["world_size"] == 2
+    assert meta["hosts"] == [socket.gethostname()]
+    v = meta["versions"]
+    assert v["torch"] == torch.__version__ and v["mpi4py"] == mpi4py.__version__
+    assert v["mpi"] and v["gloo"]
+    assert dt.datetime.fromisoformat(meta["date"]).tzinfo is not None
+    sweep = meta["sweep"]
+    assert sweep["ops"] == OPS and sweep["sizes"] == [4, 65536]
+    assert sweep["variants"] == VARIANTS
+    assert (sweep["iters"], sweep["large_iters"], sweep["rounds"], sweep["warmup"]) == (5, 2, 2, 1)
+
+
+def test_bench_every_op_and_size_has_every_variant(bench_doc):
+    seen = {}
+    for r in bench_doc["results"]:
+        seen.setdefault((r["op"], r["bytes"]), []).append(r["variant"])
+    # sizes are the op's buffer: all_to_all rounds 4 B up to one float per rank
+    assert sorted(seen) == [("all_reduce", 4), ("all_reduce", 65536),
+                            ("all_to_all", 8), ("all_to_all", 65536)]
+    for key, variants in seen.items():
+        assert sorted(variants) == sorted(VARIANTS), key
+
+
+def test_bench_result_fields(bench_doc):
+    fields = set(bench.Result.__dataclass_fields__)
+    for r in bench_doc["results"]:
+        where = (r["op"], r["bytes"], r["variant"])
+        assert set(r) == fields, where
+        assert r["check"] == "ok", where
+        assert 0 < r["min_us"] <= r["avg_us"] * (1 + 1e-9), where
+        assert r["avg_us"] <= r["max_us"] * (1 + 1e-9), where
+        assert r["rounds"] == 2 and len(r["round_max_us"]) == 2, where
+        assert r["iters"] == (5 if r["bytes"] < 8192 else 2), where
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["max_us"] / 1e3, rel=1e-9), where
+        factor = bench.busbw_factor(r["op"], 2)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor, rel=1e-9), where
+        expected_backend = {"raw-mpi": "raw", "raw-gloo": "raw"}.get(r["variant"], r["variant"])
+        if r["variant"] == "mcrdl":
+            assert r["backend"] in LIVE, where  # what the selection picked
+        else:
+            assert r["backend"] == expected_backend, where
+    # all_reduce busbw = 2(n-1)/n algbw = algbw at n = 2; all_to_all: half
+    r = next(r for r in bench_doc["results"] if r["op"] == "all_to_all")
+    assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] / 2)
+
+
+def test_bench_loads_back(bench_run, bench_doc):
+    results, meta = bench.load_json(bench_run[1]["json"])
+    assert len(results) == len(bench_doc["results"]) == len(OPS) * 2 * len(VARIANTS)
+    assert meta == bench_doc["metadata"]
+
+
+def test_bench_csv(bench_run, bench_doc):
+    with open(bench_run[1]["csv"], newline="") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == bench.CSV_FIELDS
+    body = [dict(zip(rows[0], row)) for row in rows[1:]]
+    assert len(body) == len(bench_doc["results"])
+    for row, r in zip(body, bench_doc["results"]):
+        assert (row["op"], int(row["bytes"]), row["variant"], row["backend"], row["check"]) == \
+            (r["op"], r["bytes"], r["variant"], r["backend"], r["check"])
+        assert float(row["max_us"]) == pytest.approx(r["max_us"])
+        assert float(row["busbw_gbps"]) == pytest.approx(r["busbw_gbps"])
+
+
+def test_bench_plots(bench_run):
+    ok(bench_run[0])
+    plots = bench_run[1]["plot"]
+    assert sorted(p.name for p in plots.iterdir()) == sorted(f"{op}.png" for op in OPS)
+    for op in OPS:
+        data = (plots / f"{op}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000, op
+
+
+def test_bench_all_ops_check_ok_on_3_ranks(tmp_path):
+    """Every op, every variant, odd world and a size that does not split evenly."""
+    out = tmp_path / "r.json"
+    proc = ok(mcrdl_cli("bench", "-n", "3", "--sizes", "12,4K", "--iters", "2", "--large-iters",
+                        "1", "--rounds", "1", "--warmup", "1", "--check", "--json", out))
+    doc = json.loads(out.read_text())
+    assert doc["metadata"]["world_size"] == 3
+    results = doc["results"]
+    assert {r["op"] for r in results} == set(bench.BENCH_OPS)
+    assert len(results) == len(bench.BENCH_OPS) * 2 * len(VARIANTS)
+    bad = [(r["op"], r["bytes"], r["variant"]) for r in results if r["check"] != "ok"]
+    assert not bad, bad
+    for r in results:
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bench.busbw_factor(r["op"], 3))
+    assert "CHECK FAILED" not in proc.stdout
+
+
+# -- mcrdl tune ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tune_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tune")
+    paths = {"out": d / "table.json", "results": d / "sweep.json", "plot": d / "plots"}
+    proc = mcrdl_cli("tune", "-n", "2", *TINY, "--out", paths["out"], "--results",
+                     paths["results"], "--plot", paths["plot"])
+    ok(proc)
+    return proc, paths
+
+
+def test_tune_writes_a_loadable_table(tune_run):
+    proc, paths = tune_run
+    table = TuningTable.load(str(paths["out"]), known=KNOWN, live=LIVE)
+    meta = table.metadata
+    assert meta["world_size"] == 2 and meta["hosts"] == [socket.gethostname()]
+    assert {"torch", "mpi4py", "mpi", "gloo"} <= set(meta["versions"])
+    dt.datetime.fromisoformat(meta["date"])
+    assert meta["sweep"]["ops"] == OPS and meta["sweep"]["backends"] == LIVE
+    doc = json.loads(paths["out"].read_text())
+    assert set(doc["rules"]) == set(OPS)
+    for op in OPS:
+        assert list(doc["rules"][op]) == ["2"]
+        rules = doc["rules"][op]["2"]
+        assert rules[-1]["max_bytes"] is None
+        assert all(r["backend"] in LIVE and isinstance(r["margin"], (int, float)) for r in rules)
+        assert table.lookup(op, 2, 1 << 30) == rules[-1]["backend"]
+    assert f"tuning table written to {paths['out']}" in proc.stdout
+
+
+def test_tune_table_is_the_decision_on_its_results(tune_run):
+    """The written table is exactly make_table() over the written measurements."""
+    _, paths = tune_run
+    results, meta = bench.load_json(paths["results"])
+    assert {r.variant for r in results} == set(LIVE)
+    assert {r.op for r in results} == set(OPS)
+    doc = json.loads(paths["out"].read_text())
+    margin = doc["metadata"]["decision"]["hysteresis"]
+    assert margin == 0.05
+    assert tune.make_table(results, LIVE, 2, meta, margin)["rules"] == doc["rules"]
+    for op, rows in tune.decide(results, LIVE, margin).items():
+        table = TuningTable.from_dict(doc, KNOWN)
+        for size, winner, _ in rows:
+            assert table.lookup(op, 2, size) == winner
+
+
+def test_tune_prints_crossovers_and_speedups(tune_run):
+    proc, paths = tune_run
+    out = proc.stdout
+    assert "crossovers:" in out and "expected speed-up" in out
+    doc = json.loads(paths["out"].read_text())
+    for line in tune.crossovers(doc):
+        assert line in out
+    after = out.split("expected speed-up", 1)[1]
+    for op in OPS:
+        line = next(l for l in after.splitlines() if l.strip().startswith(op))
+        for b in LIVE:
+            assert f"vs {b}: " in line and "x / " in line, line
+
+
+def test_tune_plots_shade_the_table(tune_run):
+    proc, paths = tune_run
+    for op in OPS:
+        assert (paths["plot"] / f"{op}.png").read_bytes()[:4] == b"\x89PNG"
+    assert "plots:" in proc.stdout
+
+
+def _table_sizes(doc):
+    """all_reduce sizes with the backend the table names: every rule's bound,
+    just above it, and far beyond the last."""
+    table = TuningTable.from_dict(doc, KNOWN)
+    sizes = {4, 65536, 1 << 20}
+    for r in doc["rules"]["all_reduce"]["2"]:
+        if r["max_bytes"] is not None:
+            sizes |= {max(r["max_bytes"] // 4 * 4, 4), r["max_bytes"] // 4 * 4 + 4}
+    return [f"{s}:{table.lookup('all_reduce', 2, s)}" for s in sorted(sizes)]
+
+
+def test_tuned_table_drives_selection_in_a_job(tune_run):
+    _, paths = tune_run
+    doc = json.loads(paths["out"].read_text())
+    pairs = _table_sizes(doc)
+    out = run_job(2, "table_job.py", *pairs, timeout=120,
+                  env={"MCRDL_TUNING_TABLE": str(paths["out"])})
+    for pair in pairs:
+        nbytes, backend = pair.split(":")
+        assert out.count(f"{nbytes} B -> {backend} ok") == 2, out[-3000:]
+
+
+def test_bench_with_the_tuned_table(tune_run, tmp_path):
+    _, paths = tune_run
+    out = tmp_path / "r.json"
+    proc = ok(mcrdl_cli("bench", "-n", "2", *TINY, "--table", paths["out"], "--variants", "mcrdl",
+                        "--check", "--json", out))
+    assert "all_reduce: latency in us" in proc.stdout
+    table = TuningTable.load(str(paths["out"]), KNOWN)
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == len(OPS) * 2
+    for r in results:
+        assert r["variant"] == "mcrdl" and r["check"] == "ok"
+        assert r["backend"] == table.lookup(r["op"], 2, r["bytes"]), r
+
+
+# -- --check catches wrong results -----------------------------------------------------------
+def test_check_marks_a_corrupting_backend_as_failed():
+    out = run_job(2, "bench_corrupt_job.py", "api", timeout=120)
+    lines = sorted(l for l in out.splitlines() if l.startswith("CHECK "))
+    assert lines == sorted([
+        "CHECK all_reduce 4 mpi ok", "CHECK all_reduce 4 gloo_corrupt FAIL",
+        "CHECK all_reduce 4096 mpi ok", "CHECK all_reduce 4096 gloo_corrupt FAIL"]), out[-3000:]
+
+
+def test_bench_cli_exits_nonzero_when_a_check_fails():
+    """`mcrdl bench --check` inside a job where the corrupting backend is registered."""
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "120",
+           str(JOBS / "bench_corrupt_job.py"), "cli"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "CHECK FAILED: 2 results" in out, out[-3000:]
+    assert "all_reduce 4 B on gloo_corrupt" in out and "all_reduce 4096 B on gloo_corrupt" in out
+    assert "on mpi" not in out
+
+
+# -- bad input -------------------------------------------------------------------------------
+SHORT = ["--sizes", "4", "--iters", "1", "--large-iters", "1", "--rounds", "1", "--warmup", "1"]
+
+
+@pytest.mark.parametrize("args, name", [
+    (["--ops", "all_reduce,allreduce"], "allreduce"),
+    (["--ops", "barrier"], "barrier"),
+    (["--variants", "mpi,ucx"], "ucx"),
+    (["--variants", "raw-nccl"], "raw-nccl"),   # registered but not live here
+    (["--variants", "nccl"], "nccl"),
+])
+def test_bench_bad_input(args, name):
+    proc = mcrdl_cli("bench", "-n", "2", *args, *SHORT, timeout=120)
+    assert proc.returncode != 0
+    assert f"'{name}'" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_bench_missing_table_file(tmp_path):
+    proc = mcrdl_cli("bench", "-n", "2", "--table", tmp_path / "missing.json", "--variants",
+                     "mcrdl", "--ops", "all_reduce", *SHORT, timeout=120)
+    assert proc.returncode != 0 and "missing.json" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_tune_unknown_backend(tmp_path):
+    out = tmp_path / "t.json"
+    proc = mcrdl_cli("tune", "-n", "2", "--backends", "mpi,ucx", "--ops", "all_reduce",
+                     "--out", out, *SHORT, timeout=120)
+    assert proc.returncode != 0 and "ucx" in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: `mcrdl tune --ops` is not validated; an unknown "
+                   "op dies in bench._Case with AttributeError: '_Case' object has no attribute "
+                   "'inp' (the message does not name the op)")
+def test_tune_unknown_op(tmp_path):
+    out = tmp_path / "t.json"
+    proc = mcrdl_cli("tune", "-n", "2", "--ops", "all_reduce,allreduce", "--out", out, *SHORT,
+                     timeout=120)
+    assert proc.returncode != 0
+    assert "allreduce" in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.xfail(strict=True, reason="src bug: `mcrdl tune --backends` accepts bench variants "
+                   "that are not backends (mcrdl, raw-mpi) and writes a tuning table naming them, "
+                   "which TuningTable.load then rejects (unknown backend 'mcrdl')")
+@pytest.mark.parametrize("backends", ["mpi,mcrdl", "mpi,raw-mpi"])
+def test_tune_rejects_variants_that_are_not_backends(tmp_path, backends):
+    out = tmp_path / "t.json"
+    proc = mcrdl_cli("tune", "-n", "2", "--backends", backends, "--ops", "all_reduce",
+                     "--out", out, *SHORT, timeout=120)
+    if proc.returncode == 0:  # accepted: then the table it wrote must load
+        TuningTable.load(str(out), KNOWN)
+    else:
+        assert backends.split(",")[1] in proc.stderr
