@@ -15,11 +15,7 @@ $(STAMP): pyproject.toml requirements-pinned.txt
 
 demo: $(STAMP)
 	$(BIN)/mcrdl info
-	$(BIN)/mcrdl run -n 2 --timeout 300 examples/hello.py
-	$(BIN)/mcrdl run -n 2 --timeout 300 examples/mixing.py
-	mkdir -p out
-	$(BIN)/mcrdl tune -n 2 --quick --out out/demo-table.json --plot out/demo-plots
-	$(BIN)/mcrdl bench -n 2 --quick --check --table out/demo-table.json --ops all_reduce,all_to_all
+	$(BIN)/mcrdl demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests

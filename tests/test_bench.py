@@ -59,7 +59,7 @@ def bench_doc(bench_run):
 
 
 def test_bench_exits_zero_and_prints_tables(bench_run):
-    proc, _ = ok(bench_run[0]), None
+    proc = ok(bench_run[0])
     for op in OPS:
         assert f"{op}: latency in us" in proc.stdout, proc.stdout[-3000:]
     assert "CHECK FAILED" not in proc.stdout
@@ -303,10 +303,18 @@ def test_bench_bad_input(args, name):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_bench_missing_table_file(tmp_path):
-    proc = mcrdl_cli("bench", "-n", "2", "--table", tmp_path / "missing.json", "--variants",
-                     "mcrdl", "--ops", "all_reduce", *SHORT, timeout=120)
-    assert proc.returncode != 0 and "missing.json" in proc.stderr, proc.stderr[-3000:]
+@pytest.mark.xfail(strict=True, reason="src bug: Runtime.__init__ loads the tuning table after "
+                   "_make_store(); rank 0 raises and exits, taking the TCPStore server with it, "
+                   "while rank 1 is still connecting, so rank 1 hangs in TCPStore until the "
+                   "store timeout (the op timeout: 30 min by default) instead of reporting the "
+                   "same error")
+def test_bench_missing_table_file_fails_fast_on_every_rank(tmp_path):
+    # --timeout 5 bounds the hang (it is also the TCPStore timeout) so the failure is quick
+    proc = mcrdl_cli("bench", "-n", "2", "--timeout", "5", "--table", tmp_path / "missing.json",
+                     "--variants", "mcrdl", "--ops", "all_reduce", *SHORT, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("missing.json: cannot read tuning table") == 2, proc.stderr[-3000:]
+    assert "timed out" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_tune_unknown_backend(tmp_path):
@@ -315,6 +323,16 @@ def test_tune_unknown_backend(tmp_path):
                      "--out", out, *SHORT, timeout=120)
     assert proc.returncode != 0 and "ucx" in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()
+
+
+def test_tune_one_backend(tmp_path):
+    out = tmp_path / "t.json"
+    ok(mcrdl_cli("tune", "-n", "2", "--backends", "gloo", "--ops", "all_reduce", "--out", out,
+                 *SHORT, timeout=120))
+    doc = json.loads(out.read_text())
+    assert doc["rules"] == {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo",
+                                                   "margin": 0.0}]}}
+    assert doc["metadata"]["sweep"]["backends"] == ["gloo"]
 
 
 @pytest.mark.xfail(strict=True, reason="src bug: `mcrdl tune --ops` is not validated; an unknown "
@@ -332,7 +350,7 @@ def test_tune_unknown_op(tmp_path):
 @pytest.mark.xfail(strict=True, reason="src bug: `mcrdl tune --backends` accepts bench variants "
                    "that are not backends (mcrdl, raw-mpi) and writes a tuning table naming them, "
                    "which TuningTable.load then rejects (unknown backend 'mcrdl')")
-@pytest.mark.parametrize("backends", ["mpi,mcrdl", "mpi,raw-mpi"])
+@pytest.mark.parametrize("backends", ["mcrdl", "raw-mpi"])
 def test_tune_rejects_variants_that_are_not_backends(tmp_path, backends):
     out = tmp_path / "t.json"
     proc = mcrdl_cli("tune", "-n", "2", "--backends", backends, "--ops", "all_reduce",
@@ -340,4 +358,4 @@ def test_tune_rejects_variants_that_are_not_backends(tmp_path, backends):
     if proc.returncode == 0:  # accepted: then the table it wrote must load
         TuningTable.load(str(out), KNOWN)
     else:
-        assert backends.split(",")[1] in proc.stderr
+        assert backends in proc.stderr

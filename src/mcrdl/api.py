@@ -7,6 +7,7 @@ after conflicting outstanding work, and submits. ``backend=`` forces a backend.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Sequence, Union
@@ -17,7 +18,7 @@ from .backends import REGISTRY
 from .runtime import DEFAULT_TIMEOUT, Group, Runtime
 from .tuning import TuningTable
 from .types import CommError, P2POp, ReduceOp, UnsupportedError
-from .work import AfterAll, Done, Work, _seconds
+from .work import AfterAll, Done, Work, _overlap, _seconds
 
 _runtime: Optional[Runtime] = None
 
@@ -49,6 +50,29 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
                        comms_log)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
+    try:
+        _check_same_selection(_runtime)
+    except Exception:
+        destroy_process_group()
+        raise
+
+
+def _check_same_selection(rt: Runtime) -> None:
+    """Every rank must select alike (hazard 2): compare what selection depends on
+    — live backends, default, static map, tuning table, debug — across the world."""
+    table = rt.selector.table
+    config = {"live": sorted(rt.backends), "default": rt.default_backend,
+              "static": rt.selector.static, "debug": rt.debug,
+              "table": None if table is None else json.dumps(table.to_dict(), sort_keys=True)}
+    mine = json.dumps(config, sort_keys=True)
+    digest = hashlib.sha256(mine.encode()).hexdigest()
+    digests = [b.decode() for b in _control_allgather(rt, rt.world, digest.encode())]
+    if len(set(digests)) > 1:
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise RuntimeError(f"init_process_group: ranks {odd} select backends differently from "
+                           f"rank 0 (live backends, default backend, op_backends / "
+                           f"MCRDL_OP_BACKENDS, tuning table or debug differ); rank "
+                           f"{rt.rank} has {mine[:300]}")
 
 
 def destroy_process_group() -> None:
@@ -108,7 +132,9 @@ def get_rank(group: Optional[Group] = None) -> int:
 
 
 def get_world_size(group: Optional[Group] = None) -> int:
-    return _group(group).size
+    """Size of ``group`` (-1 on a rank that is not a member, as torch)."""
+    g = _group(group)
+    return g.size if g.rank >= 0 else -1
 
 
 def get_local_rank() -> int:
@@ -180,6 +206,20 @@ def _same_kind(op: str, ref: torch.Tensor, t: torch.Tensor, what: str) -> None:
         raise TypeError(f"{op}: {what} has dtype {t.dtype}, expected {ref.dtype}")
     if t.device != ref.device:
         raise ValueError(f"{op}: {what} is on {t.device}, expected {ref.device}")
+
+
+def _order(op: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
+    """Program order (hazard 3): wait for outstanding work touching these
+    tensors before anything reads them, staging copies included."""
+    engine = _runtime.engine
+    if engine.outstanding:
+        engine.order_before(reads, writes, op)
+
+
+def _private(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy when it shares memory with ``other`` (no library
+    accepts aliased send and receive buffers)."""
+    return t.clone() if _overlap(t, other) else t
 
 
 def _contiguous(t: torch.Tensor, written: bool, post: list) -> torch.Tensor:
@@ -304,8 +344,6 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
     if nbytes == 0 and skip_empty:
         return _skip(rt, op, async_op, result)
     engine = rt.engine
-    if engine.outstanding:
-        engine.order_before(reads, writes, op, name)
     if rt.logger is not None:
         elem = ref.element_size()
         post = [rt.logger.begin(op, name, g, nbytes, async_op, peer,
@@ -346,6 +384,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
     _check("all_reduce", tensor)
     if g.rank < 0:
         return None
+    _order("all_reduce", (tensor,), (tensor,))
     post: list = []
     t = tensor if tensor.is_contiguous() else _contiguous(tensor, True, post)
     (t,), rop = _reduction("all_reduce", (t,), op, g, post)
@@ -363,6 +402,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
     if g.rank < 0:
         return None
     root = _root("broadcast", g, src)
+    _order("broadcast", (tensor,), (tensor,))
     post: list = []
     t = _contiguous(tensor, True, post)
     nbytes = _nbytes(tensor)
@@ -379,6 +419,7 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
     if g.rank < 0:
         return None
     root = _root("reduce", g, dst, "dst")
+    _order("reduce", (tensor,), (tensor,))
     post: list = []
     (t,), rop = _reduction("reduce", [_contiguous(tensor, True, post)], op, g, post,
                            holds_result=g.rank == root)
@@ -403,9 +444,10 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                          f"{input_tensor.numel()} x {g.size} ranks = {input_tensor.numel() * g.size}")
     if g.rank < 0:
         return None
+    _order(op, (input_tensor,), (output_tensor,))
     post: list = []
     out = _contiguous(output_tensor, True, post)
-    inp = _contiguous(input_tensor, False, post)
+    inp = _private(_contiguous(input_tensor, False, post), out)
     nbytes = _nbytes(output_tensor)
     return _submit(op, g, nbytes, input_tensor, backend, async_op,
                    lambda b, h: b.all_gather_into_tensor(h, out, inp),
@@ -422,6 +464,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     _check_list(op, tensor_list, "tensor_list", tensor, g.size)
     if g.rank < 0:
         return None
+    _order(op, (tensor,), tuple(tensor_list))
     flat = tensor.new_empty(g.size * tensor.numel())
     post = [_unpack(flat, tensor_list)]
     inp = tensor.contiguous()
@@ -445,9 +488,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                          f"{output.numel()} x {g.size} ranks = {output.numel() * g.size}")
     if g.rank < 0:
         return None
+    _order(name, (input,), (output,))
     post: list = []
     out = _contiguous(output, True, post)
-    inp = _contiguous(input, False, post)
+    inp = _private(_contiguous(input, False, post), out)
     (inp, out), rop = _reduction(name, [inp, out], op, g, post)
     nbytes = _nbytes(input)
     return _submit(name, g, nbytes, output, backend, async_op,
@@ -466,6 +510,7 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
     _check_list(name, input_list, "input_list", output, g.size)
     if g.rank < 0:
         return None
+    _order(name, tuple(input_list), (output,))
     post: list = []
     out = _contiguous(output, True, post)
     flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
@@ -494,6 +539,7 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
         post.append(_unpack(flat, gather_list))
     elif gather_list:
         raise ValueError(f"{op}: gather_list must be None or empty on non-destination rank {get_rank()}")
+    _order(op, (tensor,), tuple(gather_list or ()))
     inp = tensor.contiguous().view(-1)
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
                    lambda b, h: b.gather(h, flat, inp, root), reads=(tensor,),
@@ -514,9 +560,11 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
     flat = None
     if g.rank == root:
         _check_list(op, scatter_list, "scatter_list", tensor, g.size)
+        _order(op, tuple(scatter_list), (tensor,))
         flat = torch.cat([t.reshape(-1) for t in scatter_list])
     elif scatter_list:
         raise ValueError(f"{op}: scatter_list must be None or empty on non-source rank {get_rank()}")
+    _order(op, (), (tensor,))
     post: list = []
     out = _contiguous(tensor, True, post)
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
@@ -543,9 +591,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     row_in, row_out = _row(input), _row(output)
     if row_in != row_out:
         raise ValueError(f"{op}: input rows have {row_in} elements but output rows have {row_out}")
+    _order(op, (input,), (output,))
     post: list = []
     out = _contiguous(output, True, post)
-    inp = _contiguous(input, False, post)
+    inp = _private(_contiguous(input, False, post), out)
     in_counts = [r * row_in for r in in_rows]
     out_counts = [r * row_in for r in out_rows]
     return _submit(op, g, _nbytes(input), input, backend, async_op,
@@ -569,6 +618,7 @@ def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[t
     if g.rank < 0:
         return None
     ref = input_tensor_list[0]
+    _order(op, tuple(input_tensor_list), tuple(output_tensor_list))
     flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
     flat_out = ref.new_empty(sum(t.numel() for t in output_tensor_list))
     in_counts = [t.numel() for t in input_tensor_list]
@@ -586,6 +636,7 @@ def barrier(group: Optional[Group] = None, async_op: bool = False,
     g = _group(group, "barrier")
     if g.rank < 0:
         return None
+    _runtime.engine.drain()  # like gloo's barrier: after all outstanding work
     return _submit("barrier", g, 0, _BARRIER_REF, backend, async_op, lambda b, h: b.barrier(h),
                    skip_empty=False)
 
@@ -642,18 +693,19 @@ def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False
     if precheck:
         _runtime.selector.choose(op, _nbytes(tensor), g.size, tensor.device.type, tensor.dtype,
                                  None, backend)
-    post: list = []
     sending = op in ("send", "isend")
-    t = _contiguous(tensor, not sending, post)
-    if sending:
-        begin = lambda b, h: b.send(h, t, gpeer, tag)
-        reads, writes = (tensor,), ()
-    else:
-        begin = lambda b, h: b.recv(h, t, gpeer, tag)
-        reads, writes = (), (tensor,)
-    return lambda async_op: _submit(op, g, _nbytes(tensor), tensor, backend, async_op, begin,
-                                    reads=reads, writes=writes, post=post, result=[tensor],
-                                    collective=False, skip_empty=False, peer=gpeer)
+    reads, writes = ((tensor,), ()) if sending else ((), (tensor,))
+
+    def start(async_op: bool):
+        _order(op, reads, writes)
+        post: list = []
+        t = _contiguous(tensor, not sending, post)
+        begin = (lambda b, h: b.send(h, t, gpeer, tag)) if sending else \
+            (lambda b, h: b.recv(h, t, gpeer, tag))
+        return _submit(op, g, _nbytes(tensor), tensor, backend, async_op, begin, reads=reads,
+                       writes=writes, post=post, result=[tensor], collective=False,
+                       skip_empty=False, peer=gpeer)
+    return start
 
 
 def batch_isend_irecv(p2p_op_list: List[P2POp]) -> List[Work]:

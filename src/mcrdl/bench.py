@@ -8,8 +8,9 @@ is the op's lookup size (docs/tuning-table.md): the full buffer for
 gather-type ops, the bytes each rank sends for all-to-all, the message for p2p.
 
 Method: per (op, size), warm-up, then ``rounds`` rounds that run every variant
-in turn (interleaved); in each, a barrier and a timed loop of ``iters`` calls
-(more below 8 KB), per-call time = loop time / iters. Per round the per-call
+in turn (interleaved, the order rotated each round); each runs ``iters`` calls
+(more below 8 KB), each timed alone with a barrier between calls (as OSU, so
+rooted ops cannot pipeline), per-call time = their mean. Per round the per-call
 times are reduced across ranks (avg, min, max); a result is the median over
 rounds. algbw = S / t; busbw = algbw x factor (nccl-tests). p2p is a ping-pong
 between ranks 0 and 1: latency is half the round trip.
@@ -279,14 +280,19 @@ class Bench:
             for _ in range(self.warmup):
                 case.call()
         per_round = {v: [] for v in cases}
-        for _ in range(self.rounds):
-            for v, case in cases.items():
-                api.barrier(backend=self.harness)
-                call = case.call
-                start = time.perf_counter()
-                for _ in range(iters):
+        order = list(cases)
+        barrier = lambda: api.barrier(backend=self.harness)
+        clock = time.perf_counter
+        for rnd in range(self.rounds):
+            for v in order[rnd % len(order):] + order[:rnd % len(order)]:  # rotate the order
+                call = cases[v].call
+                elapsed = 0.0
+                for _ in range(iters):  # OSU: time each call, a barrier between calls
+                    barrier()
+                    start = clock()
                     call()
-                per_call = (time.perf_counter() - start) / iters * 1e6
+                    elapsed += clock() - start
+                per_call = elapsed / iters * 1e6
                 if op == "p2p":
                     per_call /= 2  # one way of the ping-pong
                 per_round[v].append(self._reduce3(per_call))

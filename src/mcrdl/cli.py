@@ -221,6 +221,18 @@ def _cmd_tune(args, argv) -> int:
         mcrdl.destroy_process_group()
 
 
+def _cmd_model(args) -> int:
+    from .model.report import cli_main
+
+    return cli_main(args)
+
+
+def _cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.main(args)
+
+
 def _parse_map(spec: Optional[str]):
     from .selector import parse_op_backends
 
@@ -291,6 +303,24 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--out", default="mcrdl-tuning.json", help="tuning table to write")
             c.add_argument("--results", help="also write the raw measurements as JSON")
         c.set_defaults(func=fn, wants_argv=True)
+
+    mo = sub.add_parser("model", help="communication model of a Megatron-style job (docs/model.md)")
+    mo.add_argument("config", help="model description, JSON (or YAML with PyYAML)")
+    mo.add_argument("--bench", help="mcrdl-bench/1 results to fit alpha-beta (default: built-in values)")
+    mo.add_argument("--table", help="tuning table deciding the backend (default: fastest fit)")
+    mo.add_argument("--out", help="write matrix.png, breakdown.png and model.json here")
+    mo.add_argument("--compare-log", help="logger export (directory or records_rank*.json) to compare with")
+    mo.add_argument("--log-iterations", type=int, default=1, help="iterations in the logged run")
+    mo.add_argument("--sweep", type=int, metavar="WORLD", help="rank every valid (p, t, d) on WORLD ranks")
+    mo.add_argument("--top", type=int, default=10, help="layouts to show with --sweep")
+    mo.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device (overrides the config)")
+    mo.add_argument("--utilization", type=float, help="achieved fraction of the peak (overrides the config)")
+    mo.set_defaults(func=_cmd_model)
+
+    d = sub.add_parser("demo", help="quick tune + every workload in every mode on local ranks: table + chart")
+    from .demo import add_args as _demo_args
+    _demo_args(d)
+    d.set_defaults(func=_cmd_demo)
     return p
 
 

@@ -160,7 +160,7 @@ class Runtime:
                              f"timedelta, got {timeout!r}")
         group = Group(ranks, self.rank, seconds, tag, self)
         for bname, backend in self.backends.items():
-            group.handles[bname] = backend.new_group(group.ranks, group.rank, tag)
+            group.handles[bname] = backend.new_group(group.ranks, group.rank, tag, seconds)
         self.groups.append(group)
         return group
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -42,7 +41,10 @@ class Pending:
         return spin_until(self.test, deadline)
 
     def prepare_poll(self) -> None:
-        """Called once before this request is polled from a mixed wait."""
+        """Called before this request is polled instead of blocked on."""
+
+    def cancel(self) -> None:
+        """Best effort: withdraw a request that missed its deadline."""
 
 
 class Done(Pending):
@@ -70,6 +72,20 @@ class AfterAll(Pending):
             if w._error is not None:
                 raise w._error
         return True
+
+
+def run_post(post: Sequence[Callable[[], None]]) -> None:
+    """Completion steps (copy-back, unpacking, AVG divide): not autograd ops,
+    so they also work on leaf tensors that require grad (parameters)."""
+    if post:
+        with torch.no_grad():
+            for fn in post:
+                fn()
+
+
+#: Buffers of requests still pending at shutdown: kept alive past MPI_Finalize,
+#: which may still deliver into them.
+_LEAKED: list = []
 
 
 def spin_until(test: Callable[[], bool], deadline: float) -> bool:
@@ -145,10 +161,17 @@ class Work:
         return self._error
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until done, progressing every backend; raise on failure or
-        after ``timeout`` seconds (default: the group's timeout)."""
+        """Block until done, progressing every backend; raise on failure.
+
+        Without ``timeout`` the group's timeout applies and a work that misses
+        it is failed for good (its peers are presumed dead or stuck). With
+        ``timeout`` a :class:`CommTimeoutError` is raised but the work stays
+        outstanding: it can be waited for again."""
         if not self._done:
-            self._engine.wait(self, self._timeout if timeout is None else _seconds(timeout))
+            if timeout is None:
+                self._engine.wait(self, self._timeout, abandon=True)
+            else:
+                self._engine.wait(self, _seconds(timeout), abandon=False)
         if self._error is not None:
             raise self._error
         return True
@@ -160,38 +183,47 @@ class Work:
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` completed with :meth:`result` when done.
 
-        A helper thread waits on the work, so the future completes even when
-        nobody else drives progress (as DDP communication hooks require)."""
-        if self._future is None:
-            fut = self._future = torch.futures.Future()
-            if self._done:
-                self._settle_future()
-            else:
-                self._engine.executor.submit(self._wait_for_future)
+        A helper thread polls every backend until the work completes, so the
+        future completes even when nobody else drives progress (as DDP
+        communication hooks require). It never blocks inside one library."""
+        with self._engine._lock:
+            if self._future is not None:
+                return self._future
+            self._future = torch.futures.Future()
+            done = self._done
+        if done:
+            self._settle_future()
+        else:
+            threading.Thread(target=self._wait_for_future, daemon=True,
+                             name="mcrdl-future").start()
         return self._future
 
     def _wait_for_future(self) -> None:
         try:
-            self.wait()
+            self._engine.wait(self, self._timeout, abandon=True, may_block=False)
         except BaseException:  # the error reaches the future below
             pass
         self._settle_future()
 
     def _settle_future(self) -> None:
+        """Complete the future (never under the engine lock: callbacks may issue ops)."""
         with self._engine._lock:
             fut = self._future
-            if fut is None or fut.done():
+            if fut is None or fut.done() or not self._done:
                 return
-            if self._error is not None:
-                fut.set_exception(self._error)
-            else:
-                fut.set_result(self._result)
+            settle = (fut.set_exception, self._error) if self._error is not None else \
+                (fut.set_result, self._result)
+            self._future = _SETTLED  # nobody else settles it
+        try:
+            settle[0](settle[1])
+        finally:
+            self._future = fut
 
     def _finish(self, error: Optional[BaseException] = None) -> None:
+        """Mark done: run completion steps; the caller settles the future."""
         if error is None:
             try:
-                for fn in self._post:
-                    fn()
+                run_post(self._post)
             except Exception as exc:  # surfaced on wait()
                 error = exc
         if error is not None and not isinstance(error, CommError):
@@ -202,8 +234,16 @@ class Work:
         self._done = True
         self._pending = None
         self._post = ()
-        if self._future is not None:
-            self._settle_future()
+
+
+class _Settled:
+    """Placeholder future while a real one is being completed."""
+
+    def done(self) -> bool:
+        return True
+
+
+_SETTLED = _Settled()
 
 
 def _seconds(timeout) -> float:
@@ -219,29 +259,37 @@ class Engine:
     """Tracks outstanding work of all backends and drives their progress.
 
     Requests are tested under one lock, so a future's helper thread and the
-    caller never test the same MPI request at once."""
+    caller never test the same MPI request at once; futures are completed
+    outside it, since their callbacks may issue new operations."""
 
     def __init__(self) -> None:
         self.outstanding: list[Work] = []
         self._lock = threading.RLock()
-        self._executor: Optional[ThreadPoolExecutor] = None
-        self._abandoned: list = []  # timed-out requests whose buffers must stay alive
-
-    @property
-    def executor(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="mcrdl-future")
-        return self._executor
+        self._abandoned: list = []  # (pending, buffers) of requests that missed a deadline
 
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
-        self.outstanding.clear()
+        """Fail what is still outstanding and release abandoned requests;
+        buffers of requests that cannot be withdrawn are kept alive."""
+        with self._lock:
+            works, self.outstanding = self.outstanding, []
+            for work in works:
+                if not work._done:
+                    self._abandoned.append((work._pending, work._reads, work._writes, work._result))
+                    work._finish(CommError(f"{work.op} on backend '{work.backend}': the process "
+                                           "group was destroyed before it completed"))
+            for pending, *_ in self._abandoned:
+                pending.cancel()
+        deadline = time.monotonic() + 0.5
+        while self._abandoned and time.monotonic() < deadline:
+            self._test_abandoned()
+        _LEAKED.extend(self._abandoned)
+        self._abandoned = []
+        for work in works:
+            work._settle_future()
 
     # -- submission -------------------------------------------------------------
     def order_before(self, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor],
-                     op: str, backend: str) -> None:
+                     op: str) -> None:
         """Wait for outstanding works that conflict with a new op's tensors."""
         if not self.outstanding:
             return
@@ -254,9 +302,13 @@ class Engine:
                 try:
                     work.wait()
                 except CommError as exc:
-                    raise CommError(f"{op} on backend '{backend}' cannot start: an earlier "
-                                    f"{work.op} on '{work.backend}' touching the same tensor "
-                                    f"failed: {exc}") from exc
+                    raise CommError(f"{op} cannot start: an earlier {work.op} on "
+                                    f"'{work.backend}' touching the same tensor failed: {exc}") from exc
+
+    def drain(self) -> None:
+        """Wait for every outstanding work (a barrier orders after them)."""
+        for work in list(self.outstanding):
+            work.wait()
 
     def run(self, op: str, backend: str, pending: Pending, reads, writes, post, timeout: float,
             result, async_op: bool) -> Optional[Work]:
@@ -268,8 +320,7 @@ class Engine:
         if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
             try:
                 if pending.block(time.monotonic() + timeout):
-                    for fn in post:
-                        fn()
+                    run_post(post)
                     return None
             except Exception as exc:
                 work = Work(self, op, backend, pending, reads, writes, post, timeout, result)
@@ -289,23 +340,39 @@ class Engine:
     # -- progress ---------------------------------------------------------------
     def poll(self) -> None:
         """Test every outstanding work once; finish those that completed."""
+        if not self.outstanding and not self._abandoned:
+            return
+        finished = []
         with self._lock:
-            if not self.outstanding:
-                return
-            still = []
-            for work in self.outstanding:
+            for work in list(self.outstanding):
                 if work._done:
                     continue
                 try:
                     done = work._pending.test()
                 except Exception as exc:  # the library reported failure
                     work._finish(exc)
+                    finished.append(work)
                     continue
                 if done:
                     work._finish()
-                else:
-                    still.append(work)
-            self.outstanding = still
+                    finished.append(work)
+            # rebuilt, not replaced by a snapshot: posts may have added works
+            self.outstanding = [w for w in self.outstanding if not w._done]
+            if self._abandoned:
+                self._test_abandoned()
+        for work in finished:
+            if work._future is not None:
+                work._settle_future()
+
+    def _test_abandoned(self) -> None:
+        still = []
+        for entry in self._abandoned:
+            try:
+                if not entry[0].test():
+                    still.append(entry)
+            except Exception:  # the library gave up on it: buffers are free
+                pass
+        self._abandoned = still
 
     def _blocking_is_safe(self, pending: Pending) -> bool:
         """May we block inside ``pending``'s library without starving another?"""
@@ -321,31 +388,48 @@ class Engine:
             if work._done:
                 return True
             if work._pending.test():
-                self.outstanding.remove(work)
+                if work in self.outstanding:
+                    self.outstanding.remove(work)
                 work._finish()
-                return True
-            return False
+                done = True
+            else:
+                return False
+        work._settle_future()
+        return done
 
-    def wait(self, work: Work, timeout: float) -> None:
+    def wait(self, work: Work, timeout: float, abandon: bool = True, may_block: bool = True) -> None:
+        """Wait for ``work`` up to ``timeout`` seconds, progressing every backend.
+
+        It blocks inside the work's own library only from the caller's thread
+        (``may_block``), for the group deadline (``abandon``), and when no other
+        library needs the caller's progress; otherwise it polls everything.
+        At the deadline: ``abandon`` fails the work for good, else it raises
+        :class:`CommTimeoutError` and leaves the work outstanding."""
         deadline = time.monotonic() + timeout
         pending = work._pending
         if pending is None:
             return
         try:
-            if not self._blocking_is_safe(pending):
+            if may_block and abandon and self._blocking_is_safe(pending):
+                if pending.progress_domain is None:  # self-progressing library
+                    done = pending.block(deadline)
+                    if done:
+                        self._retire(work)
+                else:
+                    done = spin_until(lambda: self._test_one(work), deadline)
+            else:
                 pending.prepare_poll()
                 done = spin_until(lambda: (self.poll(), work._done)[1], deadline)
-            elif pending.progress_domain is None:  # self-progressing library
-                done = pending.block(deadline)
-                if done:
-                    self._retire(work)
-            else:
-                done = spin_until(lambda: self._test_one(work), deadline)
         except Exception as exc:
             self._retire(work, exc)
             return
-        if not done:
+        if done:
+            return
+        if abandon:
             self._abandon(work, timeout)
+        else:
+            raise CommTimeoutError(f"{work.op} on backend '{work.backend}' did not complete "
+                                   f"within {timeout:.3g} s (still outstanding: wait again)")
 
     def _retire(self, work: Work, error: Optional[BaseException] = None) -> None:
         with self._lock:
@@ -354,13 +438,17 @@ class Engine:
             if work in self.outstanding:
                 self.outstanding.remove(work)
             work._finish(error)
+        work._settle_future()
 
     def _abandon(self, work: Work, timeout: float) -> None:
-        """Fail a work that missed its deadline, keeping its buffers alive."""
+        """Fail a work that missed its group deadline. Its request is withdrawn
+        where the library allows (MPI point-to-point) and polled until it is
+        gone, keeping its buffers alive meanwhile."""
         with self._lock:
             if work._done:
                 return
-            self._abandoned.append((work._pending, work._reads, work._writes))
+            work._pending.cancel()
+            self._abandoned.append((work._pending, work._reads, work._writes, work._result))
         self._retire(work, CommTimeoutError(
             f"{work.op} on backend '{work.backend}' did not complete within "
             f"{timeout:.1f} s (a peer may be dead, stuck, or issuing collectives "

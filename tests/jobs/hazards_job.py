@@ -120,8 +120,9 @@ def debug():
 
 
 def timeout():
-    """Hazard 6: a wait on a message that never comes ends with an error
-    naming op and backend, at its deadline."""
+    """Hazard 6: a wait with a timeout raises at its deadline, naming op and
+    backend, and leaves the work usable; a work that misses its group's
+    deadline fails for good (and MPI withdraws the receive)."""
     for backend in ("mpi", "gloo"):
         buf = torch.empty(4)
         if rank == 0:
@@ -136,9 +137,26 @@ def timeout():
                 print(f"rank 0: {backend} timeout after {elapsed:.2f} s: {exc}")
             else:
                 raise AssertionError("wait did not time out")
-        mcrdl.barrier(backend="mpi")
-        if rank == 1 and backend == "mpi":  # satisfy the abandoned receive (MPI_Finalize
-            mcrdl.send(torch.zeros(4), 0, tag=9, backend=backend)  # waits for it); gloo drops it
+            work.wait()  # the peer sends after 1 s: the same work completes
+            check(torch.equal(buf, torch.full((4,), 7.0)), "data after waiting again", buf)
+        else:
+            time.sleep(1.0)
+            mcrdl.send(torch.full((4,), 7.0), 0, tag=9, backend=backend)
+    short = mcrdl.new_group(range(world), timeout=1.0)
+    for backend in ("mpi", "gloo"):
+        if rank == 0:
+            work = mcrdl.irecv(torch.empty(4), 1, group=short, tag=11, backend=backend)
+            start = time.perf_counter()
+            for attempt in range(2):
+                try:
+                    work.wait()
+                except mcrdl.CommTimeoutError as exc:
+                    check(backend in str(exc), exc)
+                else:
+                    raise AssertionError("group deadline did not fail the work")
+            elapsed = time.perf_counter() - start
+            check(0.9 < elapsed < 10, "group deadline after", elapsed)
+            print(f"rank 0: {backend} group deadline after {elapsed:.2f} s")
 
 
 {"progress": progress, "order": order, "straddle": straddle, "debug": debug,

@@ -56,10 +56,10 @@ class Backend:
     def version(self) -> str:
         return ""
 
-    def new_group(self, ranks: Sequence[int], group_rank: int, tag: str) -> Any:
+    def new_group(self, ranks: Sequence[int], group_rank: int, tag: str, timeout: float) -> Any:
         """Create this backend's handle for a group; called on every rank of the
         world in the same order (``group_rank`` is -1 on non-members, which
-        may return None)."""
+        may return None). ``timeout``: the group's, in seconds."""
         raise NotImplementedError
 
     def destroy_group(self, handle: Any) -> None:

@@ -53,6 +53,18 @@ class MPIPending(Pending):
         return test() or spin_until(test, deadline)
 
 
+class MPIP2PPending(MPIPending):
+    """A point-to-point request: it can be withdrawn after a deadline."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        try:
+            self.req.Cancel()
+        except Exception:  # already matched or completed: nothing to withdraw
+            pass
+
+
 class MPIBackend(Backend):
     name = "mpi"
 
@@ -92,7 +104,7 @@ class MPIBackend(Backend):
             return f"MPI backend has no datatype for {dtype}"
         return None
 
-    def new_group(self, ranks, group_rank, tag):
+    def new_group(self, ranks, group_rank, tag, timeout):
         world = self.ctx.mpi_comm
         if len(ranks) == world.Get_size():
             return world.Dup()
@@ -158,8 +170,8 @@ class MPIBackend(Backend):
 
     def all_to_all_single(self, comm, output, input, output_counts, input_counts):
         ib, ob = self._buf(input), self._buf(output)
-        if input_counts == output_counts and len(set(input_counts)) == 1:  # even: no v-variant
-            return MPIPending(comm.Ialltoall(ib, ob), input, output)
+        # Always the v-variant: whether counts are even is a per-rank fact, and
+        # every rank must call the same MPI collective.
         return MPIPending(comm.Ialltoallv([ib[0], (input_counts, _displs(input_counts)), ib[1]],
                                           [ob[0], (output_counts, _displs(output_counts)), ob[1]]),
                           input, output)
@@ -168,10 +180,10 @@ class MPIBackend(Backend):
         return MPIPending(comm.Ibarrier())
 
     def send(self, comm, tensor, peer, tag):
-        return MPIPending(comm.Isend(self._buf(tensor), peer, tag), tensor)
+        return MPIP2PPending(comm.Isend(self._buf(tensor), peer, tag), tensor)
 
     def recv(self, comm, tensor, peer, tag):
-        return MPIPending(comm.Irecv(self._buf(tensor), peer, tag), tensor)
+        return MPIP2PPending(comm.Irecv(self._buf(tensor), peer, tag), tensor)
 
 
 def _displs(counts: Sequence[int]) -> list[int]:
@@ -192,7 +204,8 @@ class _CopyBack(Pending):
 
     def _copy(self, done: bool) -> bool:
         if done:
-            self.target.copy_(self.wide)
+            with torch.no_grad():
+                self.target.copy_(self.wide)
         return done
 
     def test(self) -> bool:

@@ -27,14 +27,17 @@ class TorchPending(Pending):
     (reduce_scatter, send, recv) ``is_completed()`` stays False until
     ``wait()`` is called, so a mixed wait hands ``wait()`` to a helper thread."""
 
-    __slots__ = ("work", "_waiter", "_error")
+    __slots__ = ("work", "lies", "_waiter", "_error")
 
-    def __init__(self, work):
+    def __init__(self, work, lies: bool = False):
         self.work = work
+        self.lies = lies  # is_completed() stays False until wait() (gloo: reduce_scatter, send, recv)
         self._waiter: Optional[threading.Event] = None
         self._error: Optional[BaseException] = None
 
     def test(self) -> bool:
+        if self._waiter is None and self.lies:
+            self.prepare_poll()  # polled, not blocked on: only wait() completes it
         if self._waiter is not None:
             if not self._waiter.is_set():
                 return False
@@ -53,7 +56,7 @@ class TorchPending(Pending):
         try:
             self.work.wait(timedelta(seconds=max(remaining, 0.001)))
         except RuntimeError as exc:
-            if "timed out" in str(exc).lower() and time.monotonic() >= deadline:
+            if "timed out" in str(exc).lower() and time.monotonic() >= deadline - 0.01:
                 return False
             raise
         return True
@@ -82,14 +85,14 @@ class TorchBackend(Backend):
     def version(self) -> str:
         return f"torch {torch.__version__}"
 
-    def _make_pg(self, store, group_rank: int, size: int):
+    def _make_pg(self, store, group_rank: int, size: int, timeout: timedelta):
         raise NotImplementedError
 
-    def new_group(self, ranks, group_rank, tag):
+    def new_group(self, ranks, group_rank, tag, timeout):
         if group_rank < 0:
             return None
         store = dist.PrefixStore(f"mcrdl/{self.name}/{tag}/", self.ctx.store)
-        return self._make_pg(store, group_rank, len(ranks))
+        return self._make_pg(store, group_rank, len(ranks), timedelta(seconds=timeout))
 
     # -- operations --------------------------------------------------------------
     def all_reduce(self, pg, tensor, op):
@@ -113,7 +116,7 @@ class TorchBackend(Backend):
     def reduce_scatter_tensor(self, pg, output, input, op):
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        return TorchPending(pg._reduce_scatter_base(output, input, opts))
+        return TorchPending(pg._reduce_scatter_base(output, input, opts), lies=True)
 
     def gather(self, pg, output, input, root):
         opts = dist.GatherOptions()
@@ -135,10 +138,10 @@ class TorchBackend(Backend):
         return TorchPending(pg.barrier(dist.BarrierOptions()))
 
     def send(self, pg, tensor, peer, tag):
-        return TorchPending(pg.send([tensor], peer, tag))
+        return TorchPending(pg.send([tensor], peer, tag), lies=True)
 
     def recv(self, pg, tensor, peer, tag):
-        return TorchPending(pg.recv([tensor], peer, tag))
+        return TorchPending(pg.recv([tensor], peer, tag), lies=True)
 
 
 class GlooBackend(TorchBackend):
@@ -158,8 +161,8 @@ class GlooBackend(TorchBackend):
             return "gloo has no int16 support"
         return None
 
-    def _make_pg(self, store, group_rank, size):
-        return dist.ProcessGroupGloo(store, group_rank, size, timedelta(seconds=self.ctx.timeout))
+    def _make_pg(self, store, group_rank, size, timeout):
+        return dist.ProcessGroupGloo(store, group_rank, size, timeout)
 
 
 class NCCLBackend(TorchBackend):
@@ -179,7 +182,7 @@ class NCCLBackend(TorchBackend):
     def version(self):
         return "nccl " + ".".join(map(str, torch.cuda.nccl.version()))
 
-    def _make_pg(self, store, group_rank, size):
+    def _make_pg(self, store, group_rank, size, timeout):
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timedelta(seconds=self.ctx.timeout)
+        opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, group_rank, size, opts)

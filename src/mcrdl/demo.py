@@ -1,0 +1,330 @@
+"""``mcrdl demo``: the end-to-end comparison of the published MCR-DL, at this machine's scale.
+
+One command, outside any job::
+
+    mcrdl demo                      # 2 local ranks, a few minutes at most
+
+It starts ``-n`` local ranks of itself (``mcrdl run``), and in that job:
+
+1. runs a quick tune of the ops the workloads use (``mcrdl tune --quick``,
+   sizes around the workloads' messages) into ``OUT/table.json``;
+2. runs every workload (``mcrdl.workloads``: moe, dlrm, megatron, megatron
+   with sequence parallelism, ddp) in every mode for a fixed number of steps,
+   modes interleaved over rounds: ``baseline-gloo`` (one library for
+   everything: what a PyTorch CPU user has today), ``baseline-mpi`` (the other
+   single library), ``coarse`` (one library per op class, chosen from the tune),
+   ``tuned`` (the tuning table: per op and message size); DDP also runs
+   ``torch`` (plain DDP, no hook), ``tuned+polled``, ``tuned+fused`` and
+   ``tuned+fp16`` (hook variants);
+3. each workload writes ``OUT/<workload>.json`` (rank 0).
+
+Then (outside the job) it prints one table: workload x mode, samples/s, step
+time, communication share, speed-up over the gloo-only baseline and over the
+best single backend, and whether the losses after the same steps from the
+same seed agree across modes (they must: the runtime changes speed, not
+results); writes ``OUT/results.json`` and the bar chart ``OUT/demo.png``.
+Exit status 0 only when every workload ran and every lossless mode agreed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+FORMAT = "mcrdl-demo/1"
+
+#: label -> (workload module, extra arguments, extra modes)
+WORKLOADS = {
+    "moe": ("moe", [], ""),
+    "dlrm": ("dlrm", [], ""),
+    "megatron": ("megatron", [], ""),
+    "megatron-sp": ("megatron", ["--sequence-parallel"], ""),
+    "ddp": ("ddp", [], ",tuned+polled,tuned+fused,tuned+fp16,torch"),
+}
+MAIN_MODES = ("baseline-gloo", "baseline-mpi", "coarse", "tuned")
+TUNE_OPS = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
+#: Sizes of the demo's tune: the quick sweep's span, denser where the workloads' messages are.
+TUNE_SIZES = "4,1K,16K,64K,128K,256K,1M,4M"
+
+
+def add_args(p) -> None:
+    p.add_argument("-n", "--nprocs", type=int, default=2, help="local ranks to launch (default 2)")
+    p.add_argument("--out", default=os.path.join("out", "demo"), help="output directory (default out/demo)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run (default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds; every mode runs once per round, interleaved (default 3)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--table", help="use this tuning table instead of running the quick tune")
+    p.add_argument("--tune-sizes", default=TUNE_SIZES, help=f"sizes of the quick tune (default {TUNE_SIZES})")
+    p.add_argument("--timeout", type=float, default=900, help="kill the job after this many seconds")
+    p.add_argument("--no-report", action="store_true", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def _in_job() -> bool:
+    from .backends.mpi import mpi_launched
+
+    return mpi_launched() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def _selected(spec: str) -> List[str]:
+    names = [w.strip() for w in spec.split(",") if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad or not names:
+        raise ValueError(f"unknown workloads {bad} (expected some of {', '.join(WORKLOADS)})")
+    return names
+
+
+def main(args) -> int:
+    names = _selected(args.workloads)
+    if not _in_job():
+        return _outer(args, names)
+    rc = _inner(args, names)
+    if args.no_report:
+        return rc
+    import mcrdl.api as api  # noqa: F401  (rank known from the launcher)
+    from .backends.mpi import mpi_launched
+
+    rank = 0
+    if mpi_launched():
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+    elif "RANK" in os.environ:
+        rank = int(os.environ["RANK"])
+    if rank == 0:
+        rc2 = report(args, names, args.out, elapsed=None, command=" ".join(["mcrdl", "demo", *sys.argv[2:]]))
+        rc = rc or rc2
+    return rc
+
+
+def _outer(args, names: List[str]) -> int:
+    """Launch the job, then report from its files."""
+    from . import launcher
+
+    os.makedirs(args.out, exist_ok=True)
+    for name in names:  # stale results must not be reported
+        path = os.path.join(args.out, f"{name}.json")
+        if os.path.exists(path):
+            os.remove(path)
+    argv = ["-m", "mcrdl.cli", "demo", "--no-report", "--out", args.out, "--workloads", ",".join(names),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+            "--seed", str(args.seed), "--tune-sizes", args.tune_sizes]
+    if args.table:
+        argv += ["--table", args.table]
+    print(f"mcrdl demo: {args.nprocs} local ranks; quick tune, then {', '.join(names)} in modes "
+          f"{', '.join(MAIN_MODES)} ({args.steps} timed steps x {args.rounds} rounds each)", flush=True)
+    t0 = time.time()
+    rc = launcher.run(launcher.build_command(args.nprocs, argv), args.timeout)
+    elapsed = time.time() - t0
+    if rc != 0:
+        print(f"mcrdl demo: the job exited {rc}", file=sys.stderr)
+    command = "mcrdl demo" + "".join(f" {a}" for a in sys.argv[2:])
+    rc2 = report(args, names, args.out, elapsed, command)
+    return rc or rc2
+
+
+def _inner(args, names: List[str]) -> int:
+    """In the job: tune, then every workload in every mode."""
+    import importlib
+
+    from . import cli
+
+    os.makedirs(args.out, exist_ok=True)
+    table = args.table
+    if table is None:
+        table = os.path.join(args.out, "table.json")
+        rc = cli.main(["tune", "--quick", "--ops", ",".join(TUNE_OPS), "--sizes", args.tune_sizes,
+                       "--rounds", "5", "--out", table])
+        if rc != 0:
+            return rc
+    worst = 0
+    for name in names:
+        module, extra, more_modes = WORKLOADS[name]
+        mod = importlib.import_module(f"mcrdl.workloads.{module}")
+        argv = ["--mode", ",".join(MAIN_MODES) + more_modes, "--table", table,
+                "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
+                "--seed", str(args.seed), "--json", os.path.join(args.out, f"{name}.json"), "--quiet",
+                *extra]
+        _say(f"== {name}: {module}.py {' '.join(argv)}")
+        rc = mod.main(argv)
+        worst = worst or rc
+    return worst
+
+
+def _say(text: str) -> None:
+    from .backends.mpi import mpi_launched
+
+    if mpi_launched():
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            return
+    print(text, flush=True)
+
+
+# -- report -----------------------------------------------------------------------------------
+def collect(out: str, names: List[str]) -> Dict[str, dict]:
+    docs = {}
+    for name in names:
+        path = os.path.join(out, f"{name}.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                docs[name] = json.load(f)
+    return docs
+
+
+def rows_of(docs: Dict[str, dict]) -> List[dict]:
+    """One row per workload x mode with the speed-ups."""
+    rows = []
+    for name, doc in docs.items():
+        summ = doc["summary"]
+        sps = {m: s["samples_per_s"] for m, s in summ.items()}
+        gloo = sps.get("baseline-gloo")
+        singles = {m: v for m, v in sps.items() if m.startswith("baseline-") and v}
+        best_single = max(singles, key=singles.get) if singles else None
+        agree = doc["agreement"]["modes"]
+        for mode, s in summ.items():
+            a = agree[mode]
+            rows.append({
+                "workload": name, "mode": mode, "unit": doc.get("sample_unit", "samples"),
+                "samples_per_s": s["samples_per_s"], "step_ms": s["step_ms"],
+                "comm_share": s["comm_share"],
+                "vs_gloo": s["samples_per_s"] / gloo if gloo else None,
+                "vs_best_single": s["samples_per_s"] / singles[best_single] if best_single else None,
+                "best_single": best_single,
+                "losses": "identical" if a["exact"] else
+                          (f"max rel {a['max_rel']:.1e}" + ("" if a["ok"] else
+                                                            (" (lossy)" if a["lossy"] else " MISMATCH"))),
+                "agree": bool(a["ok"] or a["lossy"]), "lossy": a["lossy"],
+                "final_loss": s["final_loss"]})
+    return rows
+
+
+def report(args, names: List[str], out: str, elapsed: Optional[float], command: str) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    docs = collect(out, names)
+    console = Console(width=None if os.isatty(1) else 150)
+    missing = [n for n in names if n not in docs]
+    rows = rows_of(docs)
+    t = Table(title=f"mcrdl demo: {next(iter(docs.values()))['world_size'] if docs else '?'} ranks, "
+                    f"{args.steps} timed steps x {args.rounds} rounds per mode (median step)")
+    for col in ("workload", "mode", "samples/s", "step ms", "comm share", "vs gloo baseline",
+                "vs best single", "losses vs baseline-gloo"):
+        t.add_column(col, justify="left" if col in ("workload", "mode", "losses vs baseline-gloo") else "right")
+    last = None
+    for r in rows:
+        if last is not None and r["workload"] != last:
+            t.add_section()
+        last = r["workload"]
+        t.add_row(r["workload"], r["mode"], f"{r['samples_per_s']:.1f} {r['unit']}",
+                  f"{r['step_ms']:.1f}",
+                  "—" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%",
+                  "—" if r["vs_gloo"] is None else f"{r['vs_gloo']:.2f}x",
+                  "—" if r["vs_best_single"] is None else f"{r['vs_best_single']:.2f}x",
+                  r["losses"])
+    console.print(t)
+    for name, doc in docs.items():
+        if doc.get("coarse_map"):
+            console.print(f"  {name}: coarse map " + ", ".join(f"{k}->{v}" for k, v in doc["coarse_map"].items()))
+    table_path = next((d.get("table") for d in docs.values() if d.get("table")), None)
+    rules = None
+    if table_path and os.path.exists(table_path):
+        from .tune import crossovers
+        with open(table_path, encoding="utf-8") as f:
+            tdoc = json.load(f)
+        rules = tdoc.get("rules")
+        console.print(f"tuning table {table_path}:")
+        for line in crossovers(tdoc):
+            console.print("  " + line)
+    agree_ok = all(r["agree"] for r in rows) and not missing
+    console.print("losses after the same steps agree across modes: " +
+                  ("yes (every lossless mode; compressed variants are lossy by design)" if agree_ok else
+                   "NO" + (f" (missing results: {', '.join(missing)})" if missing else "")))
+    os.makedirs(out, exist_ok=True)
+    png = os.path.join(out, "demo.png")
+    try:
+        chart(rows, png)
+        console.print(f"chart: {png}")
+    except ImportError:
+        console.print("chart: skipped (matplotlib not installed: pip install matplotlib)")
+        png = None
+    import platform
+    doc = {"format": FORMAT, "command": command, "elapsed_s": elapsed,
+           "host": platform.node(), "cpus": os.cpu_count(),
+           "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed,
+           "table": table_path, "tuning_rules": rules, "rows": rows, "agree": agree_ok,
+           "missing": missing, "chart": png,
+           "workloads": {n: {k: d[k] for k in ("config", "samples_per_step", "sample_unit", "coarse_map",
+                                                 "summary", "agreement", "world_size")}
+                         for n, d in docs.items()}}
+    with open(os.path.join(out, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    console.print(f"results: {os.path.join(out, 'results.json')}" +
+                  (f"  (total {elapsed:.0f} s)" if elapsed is not None else ""))
+    return 0 if agree_ok else 1
+
+
+def chart(rows: List[dict], path: str) -> None:
+    """Grouped bars: speed-up over the gloo-only baseline, per workload and mode
+    (left: the four modes every workload runs; right: DDP's extra variants)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    by = {(r["workload"], r["mode"]): r for r in rows}
+    extra = [m for m in dict.fromkeys(r["mode"] for r in rows if r["workload"] == "ddp")
+             if m not in MAIN_MODES]
+    fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(12 if extra else 9, 4.2), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1.2]} if extra else None)
+    ax = axes[0][0]
+    colors = {"baseline-gloo": "#9e9e9e", "baseline-mpi": "#607d8b", "coarse": "#64b5f6",
+              "tuned": "#1565c0", "torch": "#bdbdbd", "tuned+polled": "#00897b", "tuned+fused": "#2e7d32",
+              "tuned+fp16": "#f9a825"}
+    w = 0.8 / len(MAIN_MODES)
+    for i, mode in enumerate(MAIN_MODES):
+        xs, ys = [], []
+        for j, wl in enumerate(workloads):
+            r = by.get((wl, mode))
+            if r and r["vs_gloo"]:
+                xs.append(j + (i - (len(MAIN_MODES) - 1) / 2) * w)
+                ys.append(r["vs_gloo"])
+        bars = ax.bar(xs, ys, w, label=mode, color=colors.get(mode))
+        for b, y in zip(bars, ys):
+            ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.2f}", ha="center", va="bottom", fontsize=6)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads)
+    ax.set_ylabel("throughput / gloo-only baseline")
+    ax.set_title("end-to-end training throughput (median step), higher is better", fontsize=10)
+    ax.legend(fontsize=8, ncol=4, loc="upper left")
+    ymax = max([r["vs_gloo"] for r in rows if r["vs_gloo"]] + [1.0])
+    ax.set_ylim(0, ymax * 1.25)
+    if extra:
+        ax2 = axes[0][1]
+        modes = ["baseline-gloo", "tuned", *extra]
+        vals = [by[("ddp", m)]["vs_gloo"] if ("ddp", m) in by else 0 for m in modes]
+        bars = ax2.bar(range(len(modes)), vals, 0.6, color=[colors.get(m, "#888") for m in modes])
+        for b, y in zip(bars, vals):
+            ax2.text(b.get_x() + b.get_width() / 2, y, f"{y:.2f}", ha="center", va="bottom", fontsize=7)
+        ax2.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax2.set_xticks(range(len(modes)))
+        ax2.set_xticklabels(modes, rotation=30, ha="right", fontsize=8)
+        ax2.set_title("ddp: hook variants and plain DDP", fontsize=10)
+        ax2.set_ylim(0, max(vals + [1.0]) * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

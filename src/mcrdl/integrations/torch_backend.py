@@ -1,0 +1,573 @@
+"""mcrdl as a ``torch.distributed`` backend, written in Python.
+
+::
+
+    import torch.distributed as dist
+    import mcrdl.integrations.torch_backend as tb
+
+    tb.register()                       # once per process; idempotent
+    dist.init_process_group("mcrdl")    # under torchrun (env:// rendezvous), or
+    tb.init_process_group()             # under `mcrdl run` / mpiexec (no MASTER_ADDR needed)
+
+Afterwards ``torch.distributed`` collectives on the group, and
+``DistributedDataParallel`` built on it, run through mcrdl: every call goes
+through :mod:`mcrdl.api`, so the selector (``backend=`` > static map >
+tuning table > default) picks MPI, gloo or NCCL per op and message size, with
+mcrdl's progress, ordering and deadline guarantees, and the comms logger
+records them.
+
+How it plugs in (torch >= 2.3; tested with 2.13): :func:`register` calls
+``torch.distributed.Backend.register_backend("mcrdl", creator,
+extended_api=True, devices=["cpu", "cuda"])``. torch calls the creator with
+the group's store, rank, size, timeout and global ranks; it starts mcrdl if
+needed (identity from MPI, or from torch's own rendezvous store), checks that
+torch and mcrdl agree on rank and size, and returns a
+:class:`ProcessGroupMCRDL`, a Python subclass of
+``torch.distributed.ProcessGroup``. Calls from Python
+(``dist.all_reduce`` ...) reach its methods by attribute lookup; calls from
+C++ (DDP's reducer, parameter broadcast and shape check) reach the methods
+torch's ``PyProcessGroup`` trampoline forwards to Python (``allreduce``,
+``broadcast``, ``allgather``, ...). Each method calls mcrdl's API and returns
+a :class:`MCRDLTorchWork` (a Python ``torch.distributed.Work``) whose
+``wait()`` drives mcrdl's progress engine and whose ``get_future()`` is
+completed by mcrdl's helper thread, as DDP requires.
+
+See docs/torch_backend.md for the supported ops and the limits.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import api
+from ..backends.mpi import mpi_launched
+from ..runtime import Group
+from ..types import ReduceOp, UnsupportedError
+
+__all__ = ["BACKEND_NAME", "MCRDLTorchWork", "ProcessGroupMCRDL", "init_kwargs",
+           "init_process_group", "is_registered", "register"]
+
+#: The name torch knows the backend by (``init_process_group("mcrdl")``).
+BACKEND_NAME = "mcrdl"
+#: Device types declared to torch. A device no live mcrdl backend takes
+#: (e.g. CUDA without NCCL) is refused per op by mcrdl's selector, naming op and device.
+DEVICES = ("cpu", "cuda")
+
+_register_lock = threading.Lock()
+
+_REDUCE_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRODUCT,
+               "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}
+
+
+class BackendError(RuntimeError):
+    """The mcrdl torch backend cannot do what was asked (message names the op)."""
+
+
+# -- registration ------------------------------------------------------------------------
+def _plugin(name: str):
+    plugins = getattr(dist.Backend, "_plugins", {})
+    return plugins.get(name.upper())
+
+
+def is_registered(name: str = BACKEND_NAME) -> bool:
+    """True if ``name`` is registered with torch by this module."""
+    plugin = _plugin(name)
+    return plugin is not None and getattr(plugin, "creator_fn", plugin) is _create_backend
+
+
+def register(name: str = BACKEND_NAME) -> str:
+    """Register mcrdl with ``torch.distributed`` under ``name`` (idempotent);
+    returns the name to pass to ``init_process_group``. Importing mcrdl never
+    does this by itself."""
+    if not dist.is_available():
+        raise BackendError("torch.distributed is not available in this torch build")
+    with _register_lock:
+        if is_registered(name):
+            return name
+        if _plugin(name) is not None or name.lower() in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+            raise BackendError(f"a different torch.distributed backend is already registered as "
+                               f"{name!r}; register mcrdl under another name")
+        dist.Backend.register_backend(name, _create_backend, extended_api=True,
+                                      devices=list(DEVICES))
+    return name
+
+
+# -- starting mcrdl from torch's rendezvous --------------------------------------------------
+def _tcp_store(store):
+    """The TCPStore under torch's (prefix) store, or None."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 32:
+        store = store.underlying_store
+        seen += 1
+    return store if isinstance(store, dist.TCPStore) else None
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _start_mcrdl(store, rank: int, size: int, timeout) -> str:
+    """Initialise mcrdl for torch's world ``(rank, size)``; returns where its
+    identity came from (for error messages)."""
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
+    kwargs = {"timeout": seconds} if seconds and seconds > 0 else {}
+    if mpi_launched():
+        api.init_process_group(**kwargs)  # rank and size from MPI; mcrdl's own store
+        return "MPI"
+    tcp = _tcp_store(store)
+    if tcp is not None:
+        # torch's rendezvous already serves a TCPStore: mcrdl joins it as a
+        # client (as under torchrun's agent store) instead of binding a second
+        # server on MASTER_PORT. mcrdl keeps its keys under "mcrdl/".
+        with _environ(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR=str(tcp.host),
+                      MASTER_PORT=str(tcp.port), TORCHELASTIC_USE_AGENT_STORE="True"):
+            api.init_process_group(**kwargs)
+        return "torch's TCPStore rendezvous"
+    if size > 1 and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        raise BackendError(
+            f"cannot start mcrdl for a {size}-rank torch group: not launched by MPI, and torch's "
+            f"store ({type(store).__name__}) is not a TCPStore mcrdl could join. Launch with "
+            f"`mcrdl run`/mpiexec or torchrun, use an env:// or tcp:// rendezvous, or call "
+            f"mcrdl.init_process_group() before torch.distributed.init_process_group('mcrdl')")
+    api.init_process_group(**kwargs)
+    return "the RANK/WORLD_SIZE environment" if size > 1 else "a 1-rank world"
+
+
+def _torch_global_rank() -> Optional[int]:
+    try:
+        return dist.get_rank() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - the default group may be mid-construction
+        return None
+
+
+def _create_backend(dist_opts, backend_options=None) -> "ProcessGroupMCRDL":
+    """The creator torch calls (extended API) for every group using "mcrdl"."""
+    rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
+    global_ranks = [int(r) for r in (dist_opts.global_ranks_in_group or [])]
+    is_world = not global_ranks  # torch passes no ranks for the default group
+    if is_world:
+        global_ranks = list(range(size))
+    if global_ranks != sorted(set(global_ranks)):
+        raise BackendError(f"mcrdl backend: group ranks {global_ranks} are not in ascending "
+                           "order; mcrdl groups order their ranks ascending")
+    source = "an earlier mcrdl.init_process_group()"
+    if not api.is_initialized():
+        torch_world = size if is_world else (dist.get_world_size() if dist.is_initialized() else None)
+        if not is_world and global_ranks != list(range(torch_world or -1)):
+            raise BackendError(
+                f"mcrdl backend: the sub-group {global_ranks} cannot start mcrdl (starting it is "
+                f"collective over all ranks, but torch calls the backend only on the group's "
+                f"members): call mcrdl.init_process_group() on every rank first")
+        source = _start_mcrdl(dist_opts.store, global_ranks[rank], len(global_ranks)
+                              if is_world else torch_world, dist_opts.timeout)
+    m_rank, m_size = api.get_rank(), api.get_world_size()
+    if is_world and (rank, size) != (m_rank, m_size):
+        raise BackendError(
+            f"torch.distributed says this process is rank {rank} of {size}, but mcrdl (started "
+            f"from {source}) says rank {m_rank} of {m_size}: torch's rank/world_size must be "
+            f"mcrdl's (use mcrdl.integrations.torch_backend.init_process_group(), or "
+            f"init_process_group('mcrdl', **init_kwargs()))")
+    t_rank = _torch_global_rank()
+    if t_rank is not None and t_rank != m_rank:
+        raise BackendError(f"torch.distributed's global rank {t_rank} differs from mcrdl's rank "
+                           f"{m_rank}: the torch default group and mcrdl must number ranks alike")
+    if global_ranks[-1] >= m_size or global_ranks[rank] != m_rank:
+        raise BackendError(f"mcrdl backend: group ranks {global_ranks} (this process at position "
+                           f"{rank}) do not match mcrdl's world of {m_size} (this process rank {m_rank})")
+    group = _mcrdl_group(global_ranks, m_size)
+    return ProcessGroupMCRDL(group, rank, size)
+
+
+def _mcrdl_group(global_ranks: List[int], world_size: int) -> Group:
+    rt = api._rt()
+    if global_ranks == list(range(world_size)):
+        return rt.world
+    for g in rt.groups:
+        if list(g.ranks) == global_ranks:
+            return g
+    raise BackendError(
+        f"mcrdl backend: no mcrdl group with ranks {global_ranks}. torch calls the backend only "
+        f"on a sub-group's members, but mcrdl.new_group() is collective over all ranks, so create "
+        f"it first on every rank: mcrdl.new_group({global_ranks}), then "
+        f"torch.distributed.new_group({global_ranks}, backend='mcrdl')")
+
+
+def init_kwargs(timeout=None) -> dict:
+    """Keyword arguments for ``torch.distributed.init_process_group("mcrdl", **init_kwargs())``
+    after mcrdl is initialised: mcrdl's rank and size, and a store under
+    mcrdl's own (so no MASTER_ADDR/MASTER_PORT are needed). Collective on
+    every rank when mcrdl has no store yet."""
+    rt = api._rt()
+    if rt.store is None:  # e.g. only MPI was started: make the store now (collective)
+        rt.store = rt._make_store()
+    return {"store": dist.PrefixStore("torch/", rt.store), "rank": rt.rank,
+            "world_size": rt.world_size,
+            "timeout": timeout if timeout is not None else timedelta(seconds=rt.timeout)}
+
+
+def init_process_group(timeout=None, mcrdl_options: Optional[dict] = None, **torch_kwargs) -> None:
+    """Register the backend, start mcrdl if needed (``mcrdl_options`` go to
+    :func:`mcrdl.init_process_group`) and make the "mcrdl" group torch's
+    default group. Works under `mcrdl run`/mpiexec, torchrun or a single process."""
+    register()
+    if not api.is_initialized():
+        opts = dict(mcrdl_options or {})
+        if timeout is not None:
+            opts.setdefault("timeout", timeout)
+        api.init_process_group(**opts)
+    kwargs = init_kwargs(timeout)
+    kwargs.update(torch_kwargs)
+    dist.init_process_group(BACKEND_NAME, **kwargs)
+
+
+# -- reduce ops, timeouts ----------------------------------------------------------------------
+def _reduce_op(op, what: str, dtype: torch.dtype) -> ReduceOp:
+    """torch ``ReduceOp`` (or its RedOpType) -> mcrdl ReduceOp, or a clear refusal."""
+    kind = getattr(op, "op", op)  # ReduceOp -> RedOpType
+    name = getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
+    if name in _REDUCE_OPS:
+        return _REDUCE_OPS[name]
+    if dtype == torch.bool and name in ("BAND", "BOR"):
+        return ReduceOp.MIN if name == "BAND" else ReduceOp.MAX  # logical and / or
+    raise UnsupportedError(f"{what}: ReduceOp.{name} is not supported by the mcrdl torch backend "
+                           f"(supported: SUM, AVG, PRODUCT, MIN, MAX; BAND/BOR on torch.bool)")
+
+
+def _wait_seconds(timeout) -> Optional[float]:
+    """torch passes timedelta(0) or a negative one for "no timeout given"."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+def _one(what: str, tensors: Sequence, kind: str = "tensor") -> object:
+    if len(tensors) != 1:
+        raise BackendError(f"{what}: the mcrdl torch backend takes exactly one {kind} per process "
+                           f"(got {len(tensors)}); multi-device lists are not supported")
+    return tensors[0]
+
+
+# -- Work --------------------------------------------------------------------------------------
+class MCRDLTorchWork(dist.Work):
+    """A ``torch.distributed.Work`` over an mcrdl :class:`~mcrdl.Work` (or over
+    an op that already completed). ``wait()`` drives mcrdl's progress on the
+    calling thread; ``get_future()`` is completed by mcrdl's helper thread."""
+
+    def __init__(self, work, result, op: str):
+        super().__init__()
+        self._work = work  # mcrdl Work, or None when the op already completed
+        self._result = result
+        self._op = op
+        self._future: Optional[torch.futures.Future] = None
+
+    def __repr__(self) -> str:
+        return f"<MCRDLTorchWork {self._op}: {self._work!r}>"
+
+    def wait(self, timeout=None) -> bool:
+        if self._work is not None:
+            self._work.wait(_wait_seconds(timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work is None or self._work.is_success()
+
+    def exception(self):
+        return None if self._work is None else self._work.exception()
+
+    def result(self):
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            if self._work is None:
+                fut = torch.futures.Future()
+                fut.set_result(self._result)
+            else:
+                result = self._result
+                fut = self._work.get_future().then(lambda f: (f.wait(), result)[1])
+            self._future = fut
+        return self._future
+
+
+# -- the process group -------------------------------------------------------------------------
+class ProcessGroupMCRDL(dist.ProcessGroup):
+    """A torch ``ProcessGroup`` whose ops run through mcrdl (see the module doc).
+
+    ``rank``/``size`` are torch's group rank and size; roots and peers torch
+    passes (group ranks) are mapped to mcrdl's global ranks."""
+
+    def __init__(self, group: Group, rank: int, size: int):
+        super().__init__(rank, size)
+        if group.size != size or group.rank != rank:
+            raise BackendError(f"mcrdl group {group!r} (rank {group.rank} of {group.size}) does "
+                               f"not match torch's group rank {rank} of {size}")
+        self._g = group
+        self._coalescing: Optional[list] = None  # works started inside _start/_end_coalescing
+        self._group_name = ""
+        self._group_desc = ""
+
+    # -- identity -------------------------------------------------------------------------
+    # torch keeps a group's name in its C++ backends; a Python group has none,
+    # so it keeps them itself (functional collectives look groups up by name).
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    @property
+    def mcrdl_group(self) -> Group:
+        """The mcrdl group the ops run on (use it with the mcrdl API directly)."""
+        return self._g
+
+    def __repr__(self) -> str:
+        return f"<ProcessGroupMCRDL rank {self._g.rank} of {self._g.size} over {self._g!r}>"
+
+    # -- helpers --------------------------------------------------------------------------
+    def _global(self, group_rank: int, what: str) -> int:
+        if not 0 <= group_rank < self._g.size:
+            raise ValueError(f"{what} {group_rank} is outside the group of size {self._g.size}")
+        return self._g.ranks[group_rank]
+
+    def _sync(self, opts) -> bool:
+        """Run the mcrdl op blocking (its fastest path) when torch will wait at once."""
+        return (self._coalescing is None and opts is not None
+                and getattr(opts, "asyncOp", True) is False)
+
+    def _run(self, op: str, opts, start: Callable[[bool], object], result) -> MCRDLTorchWork:
+        """``start(async_op)`` issues one mcrdl op."""
+        if self._sync(opts):
+            start(False)
+            return MCRDLTorchWork(None, result, op)
+        work = start(True)
+        if self._coalescing is not None and work is not None:
+            self._coalescing.append(work)
+        return MCRDLTorchWork(work, result, op)
+
+    def _run_many(self, op: str, opts, starts: Sequence[Callable[[], object]],
+                  result) -> MCRDLTorchWork:
+        """Several async mcrdl ops behind one Work."""
+        works = [s() for s in starts]
+        if self._coalescing is not None:
+            self._coalescing.extend(w for w in works if w is not None)
+        sync = self._sync(opts)
+        work = api.combine(op, works, result=(), async_op=not sync, group=self._g)
+        return MCRDLTorchWork(None if sync else work, result, op)
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        op = "allreduce"
+        t = _one(op, tensors)
+        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, t.dtype)
+        g = self._g
+        return self._run(op, opts, lambda a: api.all_reduce(t, rop, group=g, async_op=a), [t])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = "allreduce_coalesced"
+        if not tensors:
+            return MCRDLTorchWork(None, [], op)
+        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, tensors[0].dtype)
+        g = self._g
+        return self._run_many(op, opts, [
+            (lambda t=t: api.all_reduce(t, rop, group=g, async_op=True)) for t in tensors],
+            list(tensors))
+
+    def broadcast(self, tensors, opts=None):
+        op = "broadcast"
+        t = _one(op, tensors)
+        if opts is not None and getattr(opts, "rootTensor", 0) != 0:
+            raise BackendError(f"{op}: rootTensor {opts.rootTensor} is not supported (one tensor per process)")
+        src = self._global(opts.rootRank if opts is not None else 0, "broadcast root")
+        g = self._g
+        return self._run(op, opts, lambda a: api.broadcast(t, src, group=g, async_op=a), [t])
+
+    def reduce(self, tensors, opts=None):
+        op = "reduce"
+        t = _one(op, tensors)
+        if opts is not None and getattr(opts, "rootTensor", 0) != 0:
+            raise BackendError(f"{op}: rootTensor {opts.rootTensor} is not supported (one tensor per process)")
+        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, t.dtype)
+        dst = self._global(opts.rootRank if opts is not None else 0, "reduce root")
+        g = self._g
+        return self._run(op, opts, lambda a: api.reduce(t, dst, rop, group=g, async_op=a), [t])
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        op = "allgather"
+        out = _one(op, output_tensors, "output list")
+        inp = _one(op, input_tensors)
+        g = self._g
+        return self._run(op, opts, lambda a: api.all_gather(list(out), inp, group=g, async_op=a),
+                         output_tensors)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        op = "allgather_coalesced"
+        if len(output_lists) != len(input_list):
+            raise ValueError(f"{op}: {len(output_lists)} output lists for {len(input_list)} inputs")
+        g = self._g
+        return self._run_many(op, opts, [
+            (lambda o=o, i=i: api.all_gather(list(o), i, group=g, async_op=True))
+            for o, i in zip(output_lists, input_list)], output_lists)
+
+    def all_gather_single(self, output, input, opts=None):
+        g = self._g
+        return self._run("all_gather_single", opts, lambda a: api.all_gather_into_tensor(
+            output, input, group=g, async_op=a), [output])
+
+    _allgather_base = all_gather_single  # torch < 2.11 name
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        op = "all_gather_single_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs")
+        g = self._g
+        return self._run_many(op, opts, [
+            (lambda o=o, i=i: api.all_gather_into_tensor(o, i, group=g, async_op=True))
+            for o, i in zip(outputs, inputs)], list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # older name
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        op = "reduce_scatter"
+        out = _one(op, output_tensors)
+        inp = _one(op, input_lists, "input list")
+        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, out.dtype)
+        g = self._g
+        return self._run(op, opts, lambda a: api.reduce_scatter(out, list(inp), rop, group=g,
+                                                                async_op=a), [out])
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = "reduce_scatter_single"
+        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, output.dtype)
+        g = self._g
+        return self._run(op, opts, lambda a: api.reduce_scatter_tensor(output, input, rop, group=g,
+                                                                       async_op=a), [output])
+
+    _reduce_scatter_base = reduce_scatter_single  # torch < 2.11 name
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op = "reduce_scatter_single_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs")
+        if not outputs:
+            return MCRDLTorchWork(None, [], op)
+        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, outputs[0].dtype)
+        g = self._g
+        return self._run_many(op, opts, [
+            (lambda o=o, i=i: api.reduce_scatter_tensor(o, i, rop, group=g, async_op=True))
+            for o, i in zip(outputs, inputs)], list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # older name
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        out_splits = [int(s) for s in output_split_sizes] or None
+        in_splits = [int(s) for s in input_split_sizes] or None
+        g = self._g
+        return self._run("all_to_all_single", opts, lambda a: api.all_to_all_single(
+            output, input, out_splits, in_splits, group=g, async_op=a), [output])
+
+    alltoall_base = all_to_all_single  # torch < 2.11 name
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        g = self._g
+        return self._run("alltoall", opts, lambda a: api.all_to_all(
+            list(output_tensors), list(input_tensors), group=g, async_op=a), list(output_tensors))
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        op = "gather"
+        inp = _one(op, input_tensors)
+        dst = self._global(opts.rootRank if opts is not None else 0, "gather root")
+        if self._g.rank == self._g.group_rank(dst):
+            gather_list = list(_one(op, output_tensors, "output list"))
+        else:
+            if output_tensors and any(len(o) for o in output_tensors):
+                raise ValueError(f"{op}: output tensors given on non-root rank {self._g.rank}")
+            gather_list = None
+        g = self._g
+        return self._run(op, opts, lambda a: api.gather(inp, gather_list, dst, group=g, async_op=a),
+                         output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        op = "scatter"
+        out = _one(op, output_tensors)
+        src = self._global(opts.rootRank if opts is not None else 0, "scatter root")
+        if self._g.rank == self._g.group_rank(src):
+            scatter_list = list(_one(op, input_tensors, "input list"))
+        else:
+            if input_tensors and any(len(i) for i in input_tensors):
+                raise ValueError(f"{op}: input tensors given on non-root rank {self._g.rank}")
+            scatter_list = None
+        g = self._g
+        return self._run(op, opts, lambda a: api.scatter(out, scatter_list, src, group=g,
+                                                         async_op=a), [out])
+
+    def barrier(self, opts=None):
+        g = self._g
+        return self._run("barrier", opts, lambda a: api.barrier(group=g, async_op=a), [])
+
+    # -- point to point ---------------------------------------------------------------------
+    def send(self, tensors, dstRank, tag=0):
+        t = _one("send", tensors)
+        dst = self._global(int(dstRank), "send dst")
+        work = api.isend(t, dst, group=self._g, tag=int(tag))
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return MCRDLTorchWork(work, [t], "send")
+
+    def recv(self, tensors, srcRank, tag=0):
+        t = _one("recv", tensors)
+        src = self._global(int(srcRank), "recv src")
+        work = api.irecv(t, src, group=self._g, tag=int(tag))
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return MCRDLTorchWork(work, [t], "recv")
+
+    def recv_anysource(self, tensors, tag=0):
+        raise UnsupportedError("recv from any source (torch.distributed.recv(src=None)) is not "
+                               "supported by the mcrdl torch backend: pass src")
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise UnsupportedError("monitored_barrier is not supported by the mcrdl torch backend "
+                               "(use barrier(); every mcrdl wait has a deadline)")
+
+    # -- old-style coalescing (torch's _coalescing_manager with a device) ----------------------
+    def _start_coalescing(self, device=None) -> None:
+        if self._coalescing is not None:
+            raise BackendError("coalescing: already inside a coalescing block on this group")
+        self._coalescing = []
+
+    def _end_coalescing(self, device=None):
+        works, self._coalescing = self._coalescing or [], None
+        return MCRDLTorchWork(api.combine("coalesced", works, async_op=True, group=self._g), [],
+                              "coalesced")
+
+    start_coalescing = _start_coalescing
+    end_coalescing = _end_coalescing

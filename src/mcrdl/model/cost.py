@@ -1,0 +1,299 @@
+"""Time per op: alpha-beta fits per (op, backend) and the backend choice.
+
+A bench/tune result (``mcrdl-bench/1``, docs/bench.md) gives, per op, backend
+and size n (the op's lookup size), the slowest rank's median time ``max_us``.
+Each (op, backend) is fitted to t(n) = alpha + beta n by non-negative least
+squares. The fit holds at the bench's group size g0; other group sizes scale
+it with the algorithm's step count L(g) and volume factor W(g) (DESIGN
+section 5 cost models): t_g(n) = alpha L(g)/L(g0) + beta n W(g)/W(g0), i.e.
+per-step alpha_s = alpha/L(g0) and per-byte beta_s = beta/W(g0). The
+reduction cost gamma cannot be told apart from beta with one group size; it is
+folded into beta.
+
+========================  =============  ==============
+op (lookup size n)        L(g) steps      W(g) volume
+========================  =============  ==============
+all_reduce (ring)         2(g-1)          2(g-1)/g
+all_gather, reduce_scatter, gather, scatter  g-1  (g-1)/g
+all_to_all (pairwise)     g-1             (g-1)/g
+broadcast, reduce         ceil(lg g)      ceil(lg g)
+p2p                       1               1
+========================  =============  ==============
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+#: Preference when deriving an op nobody measured from another op of the same backend.
+_DERIVE_FROM = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all", "broadcast",
+                "reduce", "gather", "scatter")
+MODEL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "broadcast",
+             "reduce", "gather", "scatter")
+
+
+def steps(op: str, g: int) -> float:
+    """L(g): latency steps of the algorithm assumed for ``op`` on ``g`` ranks."""
+    if g < 2:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (g - 1)
+    if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
+        return float(g - 1)
+    if op in ("broadcast", "reduce"):
+        return float(math.ceil(math.log2(g)))
+    return 1.0  # p2p
+
+
+def volume(op: str, g: int) -> float:
+    """W(g): bytes crossing a rank's link per byte of lookup size."""
+    if g < 2:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (g - 1) / g
+    if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
+        return (g - 1) / g
+    if op in ("broadcast", "reduce"):
+        return float(math.ceil(math.log2(g)))
+    return 1.0
+
+
+def fit_alpha_beta(sizes: Iterable[float], times: Iterable[float],
+                   weighting: str = "relative") -> tuple[float, float, float]:
+    """Non-negative least squares of t = alpha + beta n.
+
+    ``weighting``: "relative" minimises sum(((alpha + beta n - t) / t)^2), so a
+    4 B point counts as much as a 16 MB one (latencies span orders of
+    magnitude); "absolute" minimises the plain squared error. Returns (alpha,
+    beta, rms relative residual)."""
+    xs, ys = [float(x) for x in sizes], [float(y) for y in times]
+    if len(xs) != len(ys) or not xs:
+        raise ValueError("fit_alpha_beta: needs as many times as sizes, at least one")
+    if weighting not in ("relative", "absolute"):
+        raise ValueError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
+    ws = [1.0 / y if (weighting == "relative" and y > 0) else 1.0 for y in ys]
+    w2 = [w * w for w in ws]
+    s1 = sum(w2)
+    sx = sum(w * x for w, x in zip(w2, xs))
+    sxx = sum(w * x * x for w, x in zip(w2, xs))
+    sy = sum(w * y for w, y in zip(w2, ys))
+    sxy = sum(w * x * y for w, x, y in zip(w2, xs, ys))
+
+    def sse(a: float, b: float) -> float:
+        return sum(w * (a + b * x - y) ** 2 for w, x, y in zip(w2, xs, ys))
+
+    cands = []
+    det = s1 * sxx - sx * sx
+    if det > 1e-12 * max(s1 * sxx, 1e-300):
+        a = (sxx * sy - sx * sxy) / det
+        b = (s1 * sxy - sx * sy) / det
+        if a >= 0 and b >= 0:
+            cands.append((a, b))
+    cands.append((0.0, max(sxy / sxx, 0.0) if sxx > 0 else 0.0))  # alpha = 0
+    cands.append((max(sy / s1, 0.0), 0.0))  # beta = 0
+    a, b = min(cands, key=lambda ab: sse(*ab))
+    rel = [((a + b * x - y) / y) ** 2 for x, y in zip(xs, ys) if y > 0]
+    return a, b, math.sqrt(sum(rel) / len(rel)) if rel else 0.0
+
+
+@dataclass(frozen=True)
+class Fit:
+    """t(n, g) = alpha_step L(g) + beta_step W(g) n (us, n in bytes)."""
+    op: str
+    backend: str
+    alpha_step_us: float
+    beta_step_us: float  # us per byte crossing a link
+    group_size: int  # where it was measured (or declared)
+    points: int = 0
+    rel_rms: float = 0.0
+    source: str = ""
+
+    def time_us(self, nbytes: float, group: int) -> float:
+        if group < 2:
+            return 0.0
+        return self.alpha_step_us * steps(self.op, group) + self.beta_step_us * volume(self.op, group) * nbytes
+
+    @property
+    def alpha_us(self) -> float:
+        """alpha at the measured group size."""
+        return self.alpha_step_us * steps(self.op, self.group_size)
+
+    @property
+    def beta_us(self) -> float:
+        """beta (us per byte of lookup size) at the measured group size."""
+        return self.beta_step_us * volume(self.op, self.group_size)
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        """Link bandwidth 1/beta_step in GB/s."""
+        return 1e-3 / self.beta_step_us if self.beta_step_us > 0 else math.inf
+
+    def derive(self, op: str) -> "Fit":
+        """The same per-step costs applied to another op's algorithm."""
+        return Fit(op, self.backend, self.alpha_step_us, self.beta_step_us, self.group_size, 0,
+                   0.0, f"derived from {self.op}")
+
+
+def make_fit(op: str, backend: str, sizes, times, group: int, source: str,
+             weighting: str = "relative") -> Fit:
+    """Fit measured (size, us) points taken on ``group`` ranks."""
+    a, b, rms = fit_alpha_beta(sizes, times, weighting)
+    L, W = steps(op, group), volume(op, group)
+    if L == 0 or W == 0:
+        raise ValueError(f"cannot fit {op} on a group of {group}: needs at least 2 ranks")
+    return Fit(op, backend, a / L, b / W, group, len(list(sizes)), rms, source)
+
+
+#: Built-in points (bytes, us) on 2 ranks of one node, used when no bench result is
+#: given, fixed here: all_reduce medians of docs/results/allreduce_latency.json as
+#: committed in 06850a4 (2026-11-22T00:09, mcrdl on MPICH 5.0.2 and torch 2.13 gloo,
+#: 2 vCPUs); all_to_all: the 32 MB figures of DESIGN section 5, with the 4 B
+#: all-reduce latency for small messages.
+DEFAULT_POINTS = {
+    ("all_reduce", "mpi"): [(4, 3.49), (1024, 3.56), (16384, 14.81), (262144, 44.69),
+                            (4194304, 463.5)],
+    ("all_reduce", "gloo"): [(4, 226.4), (1024, 960.1), (16384, 796.3), (262144, 960.1),
+                             (4194304, 3413.4)],
+    ("all_to_all", "mpi"): [(4, 3.49), (33554432, 5200.0)],
+    ("all_to_all", "gloo"): [(4, 226.4), (33554432, 44000.0)],
+}
+DEFAULT_SOURCE = ("built-in defaults (docs/model.md): CPU, 2 ranks on one node, MPICH 5.0.2 "
+                  "and torch gloo; pass --bench for measured values")
+
+
+@dataclass
+class Choice:
+    backend: str
+    time_us: float
+    reason: str
+    fit: Fit
+
+
+@dataclass
+class CostModel:
+    """Fits per (op, backend) plus an optional tuning table for the choice."""
+    fits: dict = field(default_factory=dict)  # (op, backend) -> Fit
+    table: object = None  # mcrdl.TuningTable or None
+    source: str = ""
+    notes: list = field(default_factory=list)
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def defaults(cls) -> "CostModel":
+        fits = {}
+        for (op, backend), pts in DEFAULT_POINTS.items():
+            fits[(op, backend)] = make_fit(op, backend, [p[0] for p in pts], [p[1] for p in pts], 2,
+                                           "built-in default")
+        return cls(fits, source=DEFAULT_SOURCE)
+
+    @classmethod
+    def from_bench(cls, doc_or_path, weighting: str = "relative") -> "CostModel":
+        """Fit every forced-backend variant of a ``mcrdl-bench/1`` result
+        (``mcrdl bench --json`` or ``mcrdl tune --results``)."""
+        path = doc_or_path if isinstance(doc_or_path, str) else "<bench>"
+        if isinstance(doc_or_path, str):
+            try:
+                with open(doc_or_path, encoding="utf-8") as f:
+                    doc = json.load(f)
+            except OSError as exc:
+                raise ValueError(f"{path}: cannot read bench result: {exc.strerror}") from None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+        else:
+            doc = doc_or_path
+        if not isinstance(doc, dict) or doc.get("format") != "mcrdl-bench/1":
+            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise ValueError(f"{path}: not an mcrdl bench result (format {got!r}, expected 'mcrdl-bench/1')")
+        meta = doc.get("metadata") or {}
+        group = meta.get("world_size")
+        if not isinstance(group, int) or group < 2:
+            raise ValueError(f"{path}: metadata.world_size must be the bench's group size (>= 2), got {group!r}")
+        points: dict = {}
+        skipped = 0
+        for i, r in enumerate(doc.get("results") or []):
+            try:
+                op, variant, n, t = r["op"], r["variant"], r["bytes"], r["max_us"]
+            except (KeyError, TypeError):
+                raise ValueError(f"{path}: results[{i}]: needs op, variant, bytes, max_us") from None
+            if variant == "mcrdl" or variant.startswith("raw-") or r.get("check") == "FAIL":
+                continue
+            if not (isinstance(n, (int, float)) and isinstance(t, (int, float)) and t > 0 and n >= 0):
+                skipped += 1
+                continue
+            points.setdefault((op, variant), []).append((n, t))
+        fits, notes = {}, []
+        for (op, backend), pts in sorted(points.items()):
+            if op not in MODEL_OPS:
+                continue
+            if len({p[0] for p in pts}) < 2:
+                notes.append(f"{op}/{backend}: one size only, not fitted")
+                continue
+            fits[(op, backend)] = make_fit(op, backend, [p[0] for p in pts], [p[1] for p in pts],
+                                           group, f"fit of {path}", weighting)
+        if not fits:
+            raise ValueError(f"{path}: no forced-backend results with two or more sizes to fit")
+        if skipped:
+            notes.append(f"{skipped} results without a usable size/time skipped")
+        hosts = meta.get("hosts")
+        src = f"fitted from {path} ({group} ranks" + (f" on {', '.join(hosts)}" if hosts else "") + ")"
+        return cls(fits, source=src, notes=notes)
+
+    def add_declared(self, alpha_beta: dict) -> None:
+        """Per-step alpha/bandwidth declared per backend (config ``alpha_beta``):
+        every op of that backend without a measured fit uses them."""
+        for backend, ab in alpha_beta.items():
+            for op in MODEL_OPS:
+                if (op, backend) not in self.fits:
+                    self.fits[(op, backend)] = Fit(op, backend, ab.alpha_us, 1e-3 / ab.bandwidth_gbps,
+                                                   2, 0, 0.0, "declared in the config (alpha_beta)")
+
+    def load_table(self, path: str) -> None:
+        """Use a tuning table for the choice (``TuningTable.lookup``)."""
+        from ..tuning import TuningTable
+
+        names = {b for _, b in self.fits} | {"mpi", "nccl", "gloo"}
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+            for by_size in (doc.get("rules") or {}).values():
+                for rules in (by_size or {}).values():
+                    names |= {r.get("backend") for r in rules if isinstance(r, dict)
+                              and isinstance(r.get("backend"), str)}
+        except (OSError, ValueError, AttributeError, TypeError):
+            pass  # TuningTable.load reports it with the path
+        self.table = TuningTable.load(path, known=names)
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def backends(self) -> list[str]:
+        return sorted({b for _, b in self.fits})
+
+    def fit_for(self, op: str, backend: str) -> Optional[Fit]:
+        """The measured fit, else one derived from another op of the backend."""
+        fit = self.fits.get((op, backend))
+        if fit is not None:
+            return fit
+        for other in _DERIVE_FROM:
+            base = self.fits.get((other, backend))
+            if base is not None and base.source != "derived":
+                return base.derive(op)
+        return None
+
+    def choose(self, op: str, nbytes: float, group: int, select_group: Optional[int] = None) -> Choice:
+        """Backend and time of one call: the tuning table's backend when it
+        names one with a fit, else the fastest fitted backend at this size."""
+        cands = {b: f for b in self.backends if (f := self.fit_for(op, b)) is not None}
+        if not cands:
+            raise ValueError(f"no alpha-beta values for {op} on any backend")
+        note = ""
+        if self.table is not None:
+            tb = self.table.lookup(op, select_group or group, int(round(nbytes)))
+            if tb in cands:
+                f = cands[tb]
+                return Choice(tb, f.time_us(nbytes, group), "tuning table", f)
+            note = (f"table names {tb} (no alpha-beta); " if tb else "not in table; ")
+        best = min(cands, key=lambda b: (cands[b].time_us(nbytes, group), b))
+        f = cands[best]
+        return Choice(best, f.time_us(nbytes, group), note + "fastest fit", f)

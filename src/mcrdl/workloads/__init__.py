@@ -1,0 +1,17 @@
+"""End-to-end training workloads on mcrdl (docs/workloads.md).
+
+Each is a module with a ``WORKLOAD`` object and ``main(argv)``; the runnable
+scripts are in ``examples/workloads/`` and ``python -m mcrdl.workloads.<name>``:
+
+* :mod:`.moe`: mixture of experts (expert parallel all-to-all + data parallel all-reduce)
+* :mod:`.dlrm`: DLRM-style recommender (sharded embeddings, all-to-all of pooled embeddings)
+* :mod:`.megatron`: tensor-parallel transformer layers (all-reduce, or reduce-scatter +
+  all-gather with sequence parallelism), plus data parallelism when the world allows
+* :mod:`.ddp`: unmodified ``torch.nn.parallel.DistributedDataParallel`` whose gradients
+  go through mcrdl by a communication hook (:mod:`mcrdl.integrations.ddp_hook`)
+
+:mod:`.common` runs them in modes (baseline, coarse, tuned), times them and
+checks that every mode gives the same losses.
+"""
+
+NAMES = ("moe", "dlrm", "megatron", "ddp")

@@ -1,0 +1,167 @@
+"""Regressions from the core review (each case failed before its fix).
+Usage: regressions_job.py CASE"""
+import sys
+import time
+
+import torch
+
+import mcrdl
+from common import check
+
+case = sys.argv[1]
+mcrdl.init_process_group(timeout=20)
+rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+
+
+def late_send(t, backend, delay=0.3):
+    time.sleep(delay)
+    mcrdl.send(t, 1, backend=backend)
+
+
+def staging():
+    """Staging copies (non-contiguous, list variants) are made after earlier
+    work on another backend finished writing the tensor."""
+    x = torch.zeros(2, 2)
+    w = mcrdl.irecv(x, 0, backend="mpi") if rank == 1 else late_send(torch.ones(2, 2), "mpi")
+    parts = [torch.empty(2, 2) for _ in range(world)]
+    mcrdl.all_gather(parts, x.t(), backend="gloo")
+    if w:
+        w.wait()
+    check(torch.equal(parts[1], torch.ones(2, 2)), "all_gather of an irecv target", parts[1])
+    y = torch.zeros(4)
+    w = mcrdl.irecv(y, 0, backend="mpi") if rank == 1 else late_send(torch.ones(4), "mpi")
+    outs = [torch.empty(2) for _ in range(world)]
+    mcrdl.all_to_all(outs, [y[:2], y[2:]], backend="gloo")
+    if w:
+        w.wait()
+    check(torch.equal(outs[1], torch.ones(2)), "all_to_all of an irecv target", outs[1])
+    z = torch.full((2, 2), 5.0) if rank == 0 else torch.zeros(2, 2)
+    w = mcrdl.broadcast(z, 0, backend="gloo", async_op=True)
+    mcrdl.all_reduce(z.t(), backend="mpi")
+    w.wait()
+    check(bool((z == 5.0 * world).all()), "all_reduce of a broadcast target", z)
+
+
+def aliased():
+    """In-place variants with aliased input/output, on every backend."""
+    for backend in ("mpi", "gloo"):
+        out = torch.zeros(2 * world)
+        out[2 * rank:2 * rank + 2] = rank + 1
+        mcrdl.all_gather_into_tensor(out, out[2 * rank:2 * rank + 2], backend=backend)
+        check(torch.equal(out, torch.arange(1.0, world + 1).repeat_interleave(2)), backend, "ag", out)
+        inp = torch.arange(2.0 * world) + 1
+        mcrdl.reduce_scatter_tensor(inp[2 * rank:2 * rank + 2], inp, backend=backend)
+        ref = (torch.arange(2.0 * world) + 1) * world
+        check(torch.equal(inp[2 * rank:2 * rank + 2], ref[2 * rank:2 * rank + 2]), backend, "rs", inp)
+        x = torch.arange(2.0 * world) + 10 * rank
+        mcrdl.all_to_all_single(x, x, backend=backend)
+        ref = torch.cat([(torch.arange(2.0 * world) + 10 * r)[2 * rank:2 * rank + 2] for r in range(world)])
+        check(torch.equal(x, ref), backend, "a2a in place", x)
+
+
+def future():
+    """A future's helper thread never blocks in gloo while MPI work waits on it."""
+    g = torch.ones(4)
+    big = torch.zeros(16 << 20)
+    start = time.perf_counter()
+    if rank == 0:
+        fut = mcrdl.all_reduce(g, backend="gloo", async_op=True).get_future()
+        time.sleep(0.3)
+        req = mcrdl.irecv(big, 1, backend="mpi")
+        fut.wait()
+        req.wait()
+    else:
+        mcrdl.send(torch.ones(16 << 20), 0, backend="mpi")
+        mcrdl.all_reduce(g, backend="gloo")
+    check(time.perf_counter() - start < 10, "future + MPI took", time.perf_counter() - start)
+    check(torch.equal(g, torch.full((4,), float(world))), g)
+
+
+def callbacks():
+    """Future callbacks may issue ops; works they start stay tracked."""
+    buf = torch.zeros(4)
+    pending = mcrdl.irecv(buf, 1, backend="mpi") if rank == 0 else None
+    a, b, c = torch.ones(4), torch.ones(4), torch.ones(4)
+    box = {}
+
+    def cb(f):
+        mcrdl.all_reduce(b, backend="gloo")
+        box["e"] = mcrdl.all_reduce(c, backend="mpi", async_op=True)
+        return f.value()
+    mcrdl.all_reduce(a, backend="gloo", async_op=True).get_future().then(cb).wait()
+    engine = mcrdl.api._rt().engine
+    check(box["e"]._done or box["e"] in engine.outstanding, "work from a callback is tracked")
+    box["e"].wait()
+    check(torch.equal(c, torch.full((4,), float(world))), c)
+    if rank == 1:
+        mcrdl.send(torch.ones(4), 0, backend="mpi")
+    else:
+        pending.wait()
+
+
+def polling():
+    """is_completed() and combine() finish gloo ops whose is_completed() lies."""
+    for op in ("p2p", "reduce_scatter_tensor"):
+        x = torch.zeros(4)
+        if op == "p2p":
+            w = mcrdl.irecv(x, 1, backend="gloo") if rank == 0 else mcrdl.isend(torch.ones(4), 0, backend="gloo")
+        else:
+            w = mcrdl.reduce_scatter_tensor(x[:2], torch.ones(2 * world), backend="gloo", async_op=True)
+        start = time.perf_counter()
+        while not w.is_completed():
+            check(time.perf_counter() - start < 5, op, "is_completed() never became True")
+            time.sleep(0.001)
+        w.wait()
+    out = torch.empty(2)
+    w = mcrdl.reduce_scatter_tensor(out, torch.ones(2 * world), backend="gloo", async_op=True)
+    mcrdl.api.combine("combined", [w]).wait(timeout=5)
+    check(torch.equal(out, torch.full((2,), float(world))), out)
+
+
+def parameters():
+    """Completion steps work on leaf tensors that require grad (parameters)."""
+    for backend in ("mpi", "gloo"):
+        p = torch.nn.Parameter(torch.full((4,), float(rank + 1)))
+        mcrdl.all_reduce(p, op=mcrdl.ReduceOp.AVG, backend=backend)
+        check(torch.allclose(p.detach(), torch.full((4,), (world + 1) / 2)), backend, "AVG", p)
+        q = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        mcrdl.all_reduce(q, backend=backend)
+        check(bool((q.detach() == world).all()), backend, "bf16", q)
+        outs = [torch.nn.Parameter(torch.zeros(4)) for _ in range(world)]
+        mcrdl.all_gather(outs, torch.full((4,), float(rank)), backend=backend)
+        check(all(bool((o.detach() == r).all()) for r, o in enumerate(outs)), backend, "all_gather")
+
+
+def barrier_orders():
+    """A barrier runs after outstanding async work (as gloo's does)."""
+    t = torch.ones(1 << 20)
+    w = mcrdl.all_reduce(t, backend="mpi", async_op=True)
+    mcrdl.barrier(backend="gloo")
+    check(w._done, "barrier returned before outstanding work completed")
+
+
+def destroy_pending():
+    """destroy_process_group with a pending future neither hangs nor waits the timeout."""
+    if rank == 0:
+        w = mcrdl.irecv(torch.zeros(4), 1, backend="mpi")  # never sent
+        fut = w.get_future()
+    start = time.perf_counter()
+    mcrdl.destroy_process_group()
+    check(time.perf_counter() - start < 5, "destroy took", time.perf_counter() - start)
+    if rank == 0:
+        check(fut.done(), "future not settled by destroy")
+        try:
+            fut.wait()
+        except Exception as exc:
+            check("destroyed" in str(exc), exc)
+        else:
+            raise AssertionError("future of a destroyed work succeeded")
+
+
+{"staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
+ "polling": polling, "parameters": parameters, "barrier": barrier_orders,
+ "destroy": destroy_pending}[case]()
+if mcrdl.is_initialized():
+    mcrdl.barrier()
+    mcrdl.destroy_process_group()
+print(f"rank {rank}: {case} OK")

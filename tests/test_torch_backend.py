@@ -1,0 +1,136 @@
+"""mcrdl registered as a torch.distributed backend ("mcrdl"): torch collectives and
+DDP through mcrdl's selector, against local references and against plain gloo."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import JOBS, run_job
+import mcrdl.integrations.torch_backend as tb
+
+ROOT = Path(__file__).parents[1]
+
+
+def python(code, timeout=120, env=None):
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_importing_mcrdl_registers_nothing_and_register_is_idempotent():
+    out = python(
+        "import torch.distributed as d, mcrdl\n"
+        "assert 'MCRDL' not in d.Backend._plugins\n"
+        "import mcrdl.integrations.torch_backend as tb\n"
+        "assert 'MCRDL' not in d.Backend._plugins and not tb.is_registered()\n"
+        "assert tb.register() == 'mcrdl' and tb.register() == 'mcrdl' and tb.is_registered()\n"
+        "assert d.Backend.MCRDL == 'mcrdl' and 'mcrdl' in d.Backend.backend_list\n"
+        "assert d.Backend.backend_capability['mcrdl'] == ['cpu', 'cuda']\n"
+        "try:\n    tb.register('gloo')\nexcept RuntimeError as e:\n    print('refused:', e)\n"
+        "assert not mcrdl.is_initialized()\n")
+    assert "refused: a different torch.distributed backend is already registered as 'gloo'" in out
+
+
+def test_reduce_ops_map_or_are_refused_by_name():
+    R, M = dist.ReduceOp, tb.ReduceOp
+    for torch_op, mine in ((R.SUM, M.SUM), (R.AVG, M.AVG), (R.PRODUCT, M.PRODUCT), (R.MIN, M.MIN),
+                           (R.MAX, M.MAX)):
+        assert tb._reduce_op(torch_op, "allreduce", torch.float32) is mine
+        assert tb._reduce_op(dist.ReduceOp(torch_op), "allreduce", torch.float32) is mine
+    assert tb._reduce_op(R.BOR, "allreduce", torch.bool) is M.MAX
+    assert tb._reduce_op(R.BAND, "allreduce", torch.bool) is M.MIN
+    for bad, dtype in ((R.BXOR, torch.int32), (R.BAND, torch.int64),
+                       (dist._make_nccl_premul_sum(2.0), torch.float32)):
+        with pytest.raises(tb.UnsupportedError, match=r"reduce_scatter: ReduceOp\.\w+ is not supported"):
+            tb._reduce_op(bad, "reduce_scatter", dtype)
+
+
+def test_one_process_without_a_launcher():
+    """init_process_group("mcrdl") on a HashStore: mcrdl starts as a 1-rank world."""
+    out = python(
+        "import torch, torch.distributed as dist, mcrdl\n"
+        "import mcrdl.integrations.torch_backend as tb\n"
+        "tb.register()\n"
+        "dist.init_process_group('mcrdl', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "t = torch.ones(3); dist.all_reduce(t, op=dist.ReduceOp.AVG); assert t.tolist() == [1.0] * 3\n"
+        "m = torch.nn.Linear(2, 1); ddp = torch.nn.parallel.DistributedDataParallel(m)\n"
+        "ddp(torch.ones(4, 2)).sum().backward(); assert m.bias.grad.item() == 4.0\n"
+        "assert mcrdl.get_world_size() == 1\n"
+        "dist.destroy_process_group(); print('ONE OK')\n", timeout=180)
+    assert "ONE OK" in out
+
+
+@pytest.mark.parametrize("default_backend", ["mpi", "gloo"])
+def test_torch_collectives_match_references(default_backend):
+    out = run_job(2, "torch_backend_ops_job.py", default_backend, timeout=300)
+    assert out.count(f"TORCH BACKEND OPS OK") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("default_backend", ["mpi", "gloo"])
+def test_ddp_through_mcrdl_matches_plain_gloo(default_backend):
+    out = run_job(2, "torch_backend_ddp_job.py", default_backend, 6, timeout=300)
+    assert out.count("TORCH BACKEND DDP OK") == 2, out[-3000:]
+    assert out.count("max |loss diff| 0, max |param diff| 0") == 2  # bit-identical at 2 ranks
+    assert out.count(f"all_reduce on {default_backend}") == 2
+
+
+def test_static_map_routes_ddp_ops():
+    """MCRDL_OP_BACKENDS reaches through torch: DDP's gradient all-reduces and its
+    shape check (all_gather) on gloo, its parameter broadcast on the default (mpi)."""
+    out = run_job(2, "torch_backend_ddp_job.py", "mpi", 3, timeout=300,
+                  env={"MCRDL_OP_BACKENDS": "all_reduce:gloo,all_gather:gloo"})
+    assert out.count("TORCH BACKEND DDP OK") == 2, out[-3000:]
+    assert out.count("all_gather on gloo, all_reduce on gloo, broadcast on mpi") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_rank_agreement_and_sub_groups(nprocs):
+    out = run_job(nprocs, "torch_backend_groups_job.py", timeout=240)
+    assert out.count("TORCH BACKEND GROUPS OK") == nprocs, out[-3000:]
+
+
+def test_plain_init_under_torchrun():
+    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "--launcher", "torchrun",
+                           "--extra=--standalone", "-n", "2", "--timeout", "180",
+                           str(JOBS / "torch_backend_env_job.py")], capture_output=True, text=True,
+                          timeout=240, cwd=JOBS, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("TORCH BACKEND ENV OK") == 2
+
+
+def test_plain_init_with_env_rendezvous_and_no_launcher():
+    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT by hand: mcrdl joins torch's TCPStore."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(JOBS / "torch_backend_env_job.py")], cwd=JOBS,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "RANK": str(r), "WORLD_SIZE": "2", "PYTHONUNBUFFERED": "1"})
+             for r in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=180)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    assert sum(o.count("TORCH BACKEND ENV OK") for o in outs) == 2
+
+
+def test_example_runs():
+    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "180",
+                           str(ROOT / "examples" / "torch_backend_ddp.py")], capture_output=True,
+                          text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert proc.stdout.count("same as gloo: True") == 2, proc.stdout
