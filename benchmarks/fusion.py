@@ -1,7 +1,7 @@
 """Tensor fusion: all-reduce of many mixed-size tensors, fused vs one call each.
 
     mcrdl run -n 2 benchmarks/fusion.py [--tensors 1000] [--min-bytes 1K] [--max-bytes 1M]
-                                        [--buckets 4M,25M] [--rounds 5] [--iters 2]
+                                        [--buckets 256K,4M,25M] [--rounds 5] [--iters 2]
                                         [--seed 0] [--pool-bytes 512M] [--async-baseline]
                                         [--json out.json]
 
@@ -49,6 +49,13 @@ def make_sizes(n: int, lo: int, hi: int, seed: int) -> list:
     return [max(1, int(b) // 4) for b in nbytes.tolist()]
 
 
+def fmt_size(n: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
 def fmt_ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
@@ -58,12 +65,12 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=1000)
     ap.add_argument("--min-bytes", default="1K")
     ap.add_argument("--max-bytes", default="1M")
-    ap.add_argument("--buckets", default="4M,25M", help="bucket sizes of the fused variants")
+    ap.add_argument("--buckets", default="256K,4M,25M", help="bucket sizes of the fused variants")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-bytes", default="512M",
-                    help="fusion buffer pool bound (default 512M: holds both bucket sizes' buffers)")
+                    help="fusion buffer pool bound (default 512M: holds every bucket size's buffers)")
     ap.add_argument("--async-baseline", action="store_true",
                     help="also time one async all_reduce per tensor, then wait all")
     ap.add_argument("--json", help="write results here (rank 0)")
@@ -102,11 +109,11 @@ def main() -> int:
     variants = {}  # name -> (backend label, kind, call)
     for backend in live + [None]:
         label = backend or "selected"
-        variants[f"{label} per-tensor"] = (label, "per-tensor", per_tensor(backend))
+        variants[f"{label} per-tensor"] = (label, "per-tensor", per_tensor(backend), None)
         if args.async_baseline:
-            variants[f"{label} per-tensor async"] = (label, "per-tensor async", per_tensor_async(backend))
+            variants[f"{label} per-tensor async"] = (label, "per-tensor async", per_tensor_async(backend), None)
         for cap in buckets:
-            variants[f"{label} fused {cap >> 20}M"] = (label, f"fused {cap >> 20} MiB", fused(backend, cap))
+            variants[f"{label} fused {cap}"] = (label, f"fused {fmt_size(cap)}", fused(backend, cap), cap)
     names = list(variants)
 
     # -- check: every variant on exact values equals the per-tensor result --------------------
@@ -157,11 +164,11 @@ def main() -> int:
             table.add_column(col, justify="right" if col not in ("backend", "variant") else "left")
         rows = []
         for name in names:
-            label, kind, _ = variants[name]
+            label, kind = variants[name][:2]
             base = med[f"{label} per-tensor"]
-            nb = len(plan_buckets(tensors, int(kind.split()[1]) << 20)) if kind.startswith("fused") \
+            nb = len(plan_buckets(tensors, variants[name][3])) if kind.startswith("fused") \
                 else args.tensors
-            rows.append({"backend": label, "variant": kind, "collectives": nb,
+            rows.append({"backend": label, "variant": kind, "bucket_bytes": variants[name][3], "collectives": nb,
                          "median_s": med[name], "min_s": min(samples[name]),
                          "max_s": max(samples[name]), "samples_s": samples[name],
                          "speedup_vs_per_tensor": base / med[name],
@@ -170,7 +177,7 @@ def main() -> int:
                           f"{fmt_ms(med[name])} [{fmt_ms(min(samples[name]))}-{fmt_ms(max(samples[name]))}]",
                           f"{base / med[name]:.2f}x", f"{total_bytes / med[name] / 1e9:.2f}")
         console.print(table)
-        selected = {f"{cap >> 20} MiB bucket": mcrdl.explain("all_reduce", cap) for cap in buckets}
+        selected = {f"{fmt_size(cap)} bucket": mcrdl.explain("all_reduce", cap) for cap in buckets}
         selected["1 KiB tensor"] = mcrdl.explain("all_reduce", 1024)
         selected["1 MiB tensor"] = mcrdl.explain("all_reduce", 1 << 20)
         for k, v in selected.items():

@@ -150,7 +150,7 @@ def test_default_backend_not_live_at_init(uninitialized):
 
 
 def test_unknown_default_backend_at_init(uninitialized):
-    with refused(ValueError, "default backend", "'foo'", "not live"):
+    with refused(ValueError, "default backend", "'foo'", "not a registered backend"):
         mcrdl.init_process_group(default_backend="foo", timeout=30)
     assert not mcrdl.is_initialized()
 
@@ -527,3 +527,16 @@ def test_batch_isend_irecv_refused_before_any_isend_is_posted():
     out = run_job(2, "errors_job.py", "batch", timeout=120)
     assert out.count("errors batch OK") == 2, out[-4000:]
     assert "leaked=True" not in out, out[-4000:]
+
+
+def test_env_static_map_applies_unless_a_map_is_given(uninitialized, monkeypatch):
+    monkeypatch.setenv("MCRDL_OP_BACKENDS", "all_reduce:gloo")
+    mcrdl.init_process_group(timeout=30)
+    assert ": gloo (static map" in mcrdl.explain("all_reduce", 4)
+    mcrdl.destroy_process_group()
+    mcrdl.init_process_group(timeout=30, op_backends={"all_reduce": "mpi"})
+    assert ": mpi (static map" in mcrdl.explain("all_reduce", 4)
+    mcrdl.destroy_process_group()
+    monkeypatch.setenv("MCRDL_OP_BACKENDS", "all_reduce")
+    with refused(ValueError, "MCRDL_OP_BACKENDS"):
+        mcrdl.init_process_group(timeout=30)

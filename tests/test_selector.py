@@ -328,17 +328,6 @@ def test_parse_op_backends_feeds_selector():
     assert s.static == {"all_to_all": "gloo", "p2p": "mpi"}
 
 
-def test_from_env_uses_env_only_without_explicit_map(monkeypatch):
-    monkeypatch.setenv("MCRDL_OP_BACKENDS", "all_reduce:gloo")
-    s = Selector.from_env(live(*ALL), "mpi", None, None)
-    assert s.choose("all_reduce", 10, 2, "cpu", F32) == "gloo"
-    s = Selector.from_env(live(*ALL), "mpi", {"all_reduce": "mpi"}, None)
-    assert s.choose("all_reduce", 10, 2, "cpu", F32) == "mpi"
-    monkeypatch.setenv("MCRDL_OP_BACKENDS", "all_reduce")
-    with pytest.raises(ValueError, match="MCRDL_OP_BACKENDS"):
-        Selector.from_env(live(*ALL), "mpi", None, None)
-
-
 def test_parse_op_backends_duplicate_op_rejected():
     with pytest.raises(ValueError):
         parse_op_backends("all_reduce:mpi,all_reduce:gloo")

@@ -249,8 +249,6 @@ def test_crossovers_lines():
     assert "64" in by_op["all_reduce"]
 
 
-@pytest.mark.xfail(strict=True, reason="src bug: tune.crossovers formats a negative margin "
-                   "(range kept by hysteresis while slower) as '(+-3%)'")
 def test_crossovers_negative_margin_is_readable():
     results = sweep("all_reduce", {4: {"mpi": 20, "gloo": 10}, 64: {"mpi": 100, "gloo": 103}})
     line, = tune.crossovers(tune.make_table(results, BACKENDS, 2, META))

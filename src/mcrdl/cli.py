@@ -100,6 +100,16 @@ def _sweep_settings(args, quick_sizes, default_max):
     return sizes
 
 
+def _ops(args) -> list:
+    from .bench import BENCH_OPS
+
+    ops = args.ops.split(",") if args.ops else list(BENCH_OPS)
+    bad = [o for o in ops if o not in BENCH_OPS]
+    if bad:
+        raise ValueError(f"unknown ops {bad} (expected {', '.join(BENCH_OPS)})")
+    return ops
+
+
 def _init_for_tools(args):
     import mcrdl
 
@@ -137,10 +147,7 @@ def _cmd_bench(args, argv) -> int:
                    or (v.startswith("raw-") and v[4:] not in live)]
         if unknown:
             raise ValueError(f"unknown or not live variants {unknown} (live backends: {live})")
-        ops = args.ops.split(",") if args.ops else list(bench.BENCH_OPS)
-        bad = [o for o in ops if o not in bench.BENCH_OPS]
-        if bad:
-            raise ValueError(f"unknown ops {bad} (expected {', '.join(bench.BENCH_OPS)})")
+        ops = _ops(args)
         sizes = _sweep_settings(args, [4, 1024, 65536, 1 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
         large = args.large_iters or (5 if args.quick else 10)
@@ -186,7 +193,10 @@ def _cmd_tune(args, argv) -> int:
         rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
         live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
         backends = args.backends.split(",") if args.backends else live
-        ops = args.ops.split(",") if args.ops else list(bench.BENCH_OPS)
+        bad = [b for b in backends if b not in live]
+        if bad:
+            raise ValueError(f"--backends {bad} are not live backends (live: {', '.join(live)})")
+        ops = _ops(args)
         sizes = _sweep_settings(args, [4, 256, 4096, 65536, 1 << 20, 4 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
         large = args.large_iters or (4 if args.quick else 10)

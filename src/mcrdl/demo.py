@@ -240,12 +240,11 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
     table_path = next((d.get("table") for d in docs.values() if d.get("table")), None)
     rules = None
     if table_path and os.path.exists(table_path):
-        from .tune import crossovers
         with open(table_path, encoding="utf-8") as f:
             tdoc = json.load(f)
         rules = tdoc.get("rules")
         console.print(f"tuning table {table_path}:")
-        for line in crossovers(tdoc):
+        for line in table_lines(tdoc):
             console.print("  " + line)
     agree_ok = all(r["agree"] for r in rows) and not missing
     console.print("losses after the same steps agree across modes: " +
@@ -274,6 +273,25 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
     console.print(f"results: {os.path.join(out, 'results.json')}" +
                   (f"  (total {elapsed:.0f} s)" if elapsed is not None else ""))
     return 0 if agree_ok else 1
+
+
+def table_lines(doc: dict) -> List[str]:
+    """Which backend each op uses up to which size (``margin``, when recorded,
+    is the smallest measured advantage over the runner-up)."""
+    from .bench import human
+
+    lines = []
+    for op, by_size in doc.get("rules", {}).items():
+        for g, rules in by_size.items():
+            parts, prev = [], None
+            for r in rules:
+                span = (f"<= {human(r['max_bytes'])}" if r["max_bytes"] is not None
+                        else (f"> {human(prev)}" if prev is not None else "all sizes"))
+                margin = f" (+{100 * r['margin']:.0f}%)" if "margin" in r else ""
+                parts.append(f"{r['backend']} {span}{margin}")
+                prev = r["max_bytes"]
+            lines.append(f"{op} [{g} ranks]: " + ", ".join(parts))
+    return lines
 
 
 def chart(rows: List[dict], path: str) -> None:

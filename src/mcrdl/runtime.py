@@ -9,7 +9,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from .backends import REGISTRY, Backend, Context
 from .backends.mpi import import_mpi, mpi_launched
-from .selector import Selector
+from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
 from .work import Engine, _seconds
 
@@ -45,6 +45,16 @@ class Group:
                              f"(ranks {list(self.ranks)})") from None
 
 
+def _load_table(spec: Union[None, str, dict, TuningTable], live) -> Optional[TuningTable]:
+    """A tuning table from a path, a dict, a table, or ``MCRDL_TUNING_TABLE``."""
+    spec = spec if spec is not None else os.environ.get("MCRDL_TUNING_TABLE") or None
+    if isinstance(spec, str):
+        return TuningTable.load(spec, REGISTRY, live)
+    if isinstance(spec, dict):
+        return TuningTable.from_dict(spec, REGISTRY, live)
+    return spec
+
+
 class Runtime:
     """Everything one initialised job holds. Created by
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
@@ -57,6 +67,16 @@ class Runtime:
         for name in requested:
             if name not in REGISTRY:
                 raise ValueError(f"unknown backend {name!r} (registered: {', '.join(REGISTRY)})")
+        # Everything decidable locally is checked before the rendezvous, so a bad
+        # argument fails on every rank at once instead of stranding the others.
+        default = default_backend or os.environ.get("MCRDL_DEFAULT_BACKEND")
+        if default is not None and default not in REGISTRY:
+            raise ValueError(f"default backend {default!r} is not a registered backend "
+                             f"(registered: {', '.join(REGISTRY)})")
+        table = _load_table(tuning_table, live=None)
+        if op_backends is None and os.environ.get("MCRDL_OP_BACKENDS"):
+            op_backends = parse_op_backends(os.environ["MCRDL_OP_BACKENDS"])
+        Selector(dict.fromkeys(REGISTRY), next(iter(REGISTRY)), op_backends)  # names and ops
         self.timeout = timeout
         self.engine = Engine()
         self.mpi_comm = None
@@ -78,17 +98,14 @@ class Runtime:
         if not self.backends:
             raise RuntimeError("mcrdl: no backend could start: " + "; ".join(
                 f"{n}: {r}" for n, r in self.unavailable.items()))
-        default = default_backend or os.environ.get("MCRDL_DEFAULT_BACKEND") or next(iter(self.backends))
+        default = default or next(iter(self.backends))
         if default not in self.backends:
             raise ValueError(f"default backend {default!r} is not live (live: {', '.join(self.backends)}"
                              + "".join(f"; {n}: {r}" for n, r in self.unavailable.items()) + ")")
         self.default_backend = default
-        tuning_table = tuning_table if tuning_table is not None else os.environ.get("MCRDL_TUNING_TABLE") or None
-        if isinstance(tuning_table, str):
-            tuning_table = TuningTable.load(tuning_table, REGISTRY, self.backends)
-        elif isinstance(tuning_table, dict):
-            tuning_table = TuningTable.from_dict(tuning_table, REGISTRY, self.backends)
-        self.selector = Selector.from_env(self.backends, default, op_backends, tuning_table)
+        if table is not None:  # again, now that we know which backends are live
+            table = TuningTable.from_dict(table.to_dict(), REGISTRY, self.backends, table.source)
+        self.selector = Selector(self.backends, default, op_backends, table)
         self.debug = os.environ.get("MCRDL_DEBUG", "0") == "1" if debug is None else bool(debug)
         if comms_log is None:
             comms_log = os.environ.get("MCRDL_COMMS_LOG", "0") == "1"
@@ -134,6 +151,7 @@ class Runtime:
             host, port = self.mpi_comm.bcast(addr, root=0)
             if self.rank != 0:
                 store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
+            self.mpi_comm.Barrier()  # everyone connected before rank 0 may leave
             return store
         env = os.environ
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:

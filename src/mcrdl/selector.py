@@ -54,12 +54,6 @@ class Selector:
         self._capable: dict[tuple, Optional[str]] = {}
         self._cache: dict[tuple, str] = {}  # full decisions, bounded
 
-    @classmethod
-    def from_env(cls, live, default, op_backends, table) -> "Selector":
-        if op_backends is None and os.environ.get("MCRDL_OP_BACKENDS"):
-            op_backends = parse_op_backends(os.environ["MCRDL_OP_BACKENDS"])
-        return cls(live, default, op_backends, table)
-
     def why_not(self, name: str, op: str, device: str, dtype: torch.dtype,
                 reduce_op=None) -> Optional[str]:
         """Why backend ``name`` cannot run this op here, or None (cached)."""

@@ -70,7 +70,7 @@ def crossovers(table: dict) -> list[str]:
             for r in rules:
                 span = (f"<= {human(r['max_bytes'])}" if r["max_bytes"] is not None
                         else (f"> {human(prev)}" if prev is not None else "all sizes"))
-                parts.append(f"{r['backend']} {span} (+{100 * r['margin']:.0f}%)")
+                parts.append(f"{r['backend']} {span} ({100 * r['margin']:+.0f}%)")
                 prev = r["max_bytes"]
             lines.append(f"{op} [{g} ranks]: " + ", ".join(parts))
     return lines

@@ -334,6 +334,31 @@ def _finish(fn: str, works: list, post: list, result: list, async_op: bool, grou
     return _track(work, reads, writes) if async_op else None
 
 
+#: Buckets a *blocking* coalesced call keeps in flight: the next bucket is packed
+#: while the previous ones run, but the engine's outstanding list stays short
+#: (ordering checks cost O(outstanding) per issued op).
+SYNC_WINDOW = 2
+
+
+class _Works(list):
+    """The bucket works of one call; a blocking call waits for the oldest
+    once more than SYNC_WINDOW are in flight."""
+
+    def __init__(self, async_op: bool):
+        super().__init__()
+        self.window = None if async_op else SYNC_WINDOW
+        self._next = 0
+
+    def add(self, work) -> None:
+        self.append(work)
+        if self.window is not None:
+            while len(self) - self._next > self.window:
+                w = self[self._next]
+                self._next += 1
+                if w is not None:
+                    w.wait()
+
+
 def _release(bufs: list) -> Callable[[], None]:
     def release() -> None:
         for b in bufs:
@@ -370,16 +395,16 @@ def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM, group: Op
     if not async_op and len(buckets) == 1 and buckets[0].direct:
         api.all_reduce(tensors[buckets[0].index[0]], op, group, backend=backend)
         return None
-    works, post, bufs = [], [], []
+    works, post, bufs = _Works(async_op), [], []
     for b in buckets:
         if b.direct:
-            works.append(api.all_reduce(tensors[b.index[0]], op, group, True, backend))
+            works.add(api.all_reduce(tensors[b.index[0]], op, group, True, backend))
             continue
         members = [tensors[i] for i in b.index]
         flat = _POOL.acquire(b.dtype, b.device, b.numel)
         bufs.append(flat)
         _pack(flat, members)
-        works.append(api.all_reduce(flat, op, group, True, backend))
+        works.add(api.all_reduce(flat, op, group, True, backend))
         post.append(lambda flat=flat, members=members: _copy_out(flat, members))
     post.append(_release(bufs))
     return _finish(fn, works, post, tensors, async_op, group, tensors, tensors)
@@ -408,10 +433,10 @@ def broadcast_coalesced(tensors: List[torch.Tensor], src: int, group: Optional[G
     if not async_op and len(buckets) == 1 and buckets[0].direct:
         api.broadcast(tensors[buckets[0].index[0]], src, group, backend=backend)
         return None
-    works, post, bufs = [], [], []
+    works, post, bufs = _Works(async_op), [], []
     for b in buckets:
         if b.direct:
-            works.append(api.broadcast(tensors[b.index[0]], src, group, True, backend))
+            works.add(api.broadcast(tensors[b.index[0]], src, group, True, backend))
             continue
         members = [tensors[i] for i in b.index]
         flat = _POOL.acquire(b.dtype, b.device, b.numel)
@@ -420,7 +445,7 @@ def broadcast_coalesced(tensors: List[torch.Tensor], src: int, group: Optional[G
             _pack(flat, members)
         else:
             post.append(lambda flat=flat, members=members: _copy_out(flat, members))
-        works.append(api.broadcast(flat, src, group, True, backend))
+        works.add(api.broadcast(flat, src, group, True, backend))
     post.append(_release(bufs))
     return _finish(fn, works, post, tensors, async_op, group, tensors, () if is_src else tensors)
 
@@ -464,18 +489,18 @@ def all_gather_coalesced(output_lists: List[List[torch.Tensor]], input_tensors: 
         i = buckets[0].index[0]
         api.all_gather(list(output_lists[i]), inputs[i], group, backend=backend)
         return None
-    works, post, bufs = [], [], []
+    works, post, bufs = _Works(async_op), [], []
     for b in buckets:
         if b.direct:
             i = b.index[0]
-            works.append(api.all_gather(list(output_lists[i]), inputs[i], group, True, backend))
+            works.add(api.all_gather(list(output_lists[i]), inputs[i], group, True, backend))
             continue
         members = [inputs[i] for i in b.index]
         inbuf = _POOL.acquire(b.dtype, b.device, b.numel)
         outbuf = _POOL.acquire(b.dtype, b.device, n * b.numel)
         bufs += [inbuf, outbuf]
         _pack(inbuf, members)
-        works.append(api.all_gather_into_tensor(outbuf, inbuf, group, True, backend))
+        works.add(api.all_gather_into_tensor(outbuf, inbuf, group, True, backend))
         per_rank = [[output_lists[i][r] for i in b.index] for r in range(n)]
         post.append(lambda outbuf=outbuf, per_rank=per_rank, p=b.numel: [
             _copy_out(outbuf[r * p:(r + 1) * p], dsts) for r, dsts in enumerate(per_rank)])
