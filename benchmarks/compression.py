@@ -33,8 +33,8 @@ import time
 import torch
 
 import mcrdl
-from mcrdl.features import (BF16Compressor, FP16Compressor, Int8Compressor, NoneCompressor,
-                            all_reduce_wire_bytes, compressed_all_reduce)
+from mcrdl.features.compression import (BF16Compressor, FP16Compressor, Int8Compressor,
+                                       NoneCompressor, all_reduce_wire_bytes, compressed_all_reduce)
 from mcrdl.features.fusion import parse_bytes
 
 F64 = torch.float64

@@ -38,8 +38,7 @@ import time
 import torch
 
 import mcrdl
-from mcrdl.features import all_reduce_coalesced, fusion_buffer_pool
-from mcrdl.features.fusion import parse_bytes, plan_buckets
+from mcrdl.features.fusion import all_reduce_coalesced, fusion_buffer_pool, parse_bytes, plan_buckets
 
 
 def make_sizes(n: int, lo: int, hi: int, seed: int) -> list:

@@ -7,12 +7,12 @@ import torch
 
 from conftest import run_job
 from mcrdl import UnsupportedError
-from mcrdl.features import (BF16Compressor, BufferPool, FP16Compressor, Int8Compressor,
-                            NoneCompressor, all_reduce_wire_bytes, get_bucket_bytes,
-                            set_bucket_bytes)
 from mcrdl.features import fusion
-from mcrdl.features.compression import _pack_payload, _unpack_payload
-from mcrdl.features.fusion import parse_bytes, plan_buckets
+from mcrdl.features.compression import (BF16Compressor, FP16Compressor, Int8Compressor,
+                                        NoneCompressor, _pack_payload, _unpack_payload,
+                                        all_reduce_wire_bytes)
+from mcrdl.features.fusion import (BufferPool, get_bucket_bytes, parse_bytes, plan_buckets,
+                                   set_bucket_bytes)
 
 F64 = torch.float64
 SLACK = 2.0 ** -20
@@ -199,6 +199,8 @@ def test_int8_edge_cases():
         comp.compress(torch.ones(3, dtype=torch.int64))
     with pytest.raises(UnsupportedError, match="torch.bool"):
         FP16Compressor().compress(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(UnsupportedError, match="torch.int32"):
+        Int8Compressor(error_feedback=True).compress(torch.ones(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="lossy"):
         NoneCompressor(error_feedback=True)
 

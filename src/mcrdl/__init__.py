@@ -8,6 +8,10 @@ from .api import (DTYPES, all_gather, all_gather_into_tensor, all_reduce, all_to
                   is_initialized, isend, new_group, recv, reduce, reduce_scatter,
                   reduce_scatter_tensor, scatter, send)
 from .backends import register_backend
+from .features.compression import (BF16Compressor, Compressor, FP16Compressor, Int8Compressor,
+                                   NoneCompressor, compressed_all_gather, compressed_all_reduce)
+from .features.fusion import (all_gather_coalesced, all_reduce_coalesced, broadcast_coalesced,
+                              set_bucket_bytes)
 from .features.logger import comms_records, comms_summary, export_comms, print_comms_summary
 from .runtime import Group
 from .tuning import TuningTable, TuningTableError

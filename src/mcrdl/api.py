@@ -208,10 +208,12 @@ def _same_kind(op: str, ref: torch.Tensor, t: torch.Tensor, what: str) -> None:
         raise ValueError(f"{op}: {what} is on {t.device}, expected {ref.device}")
 
 
-def _order(op: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
-    """Program order (hazard 3): wait for outstanding work touching these
-    tensors before anything reads them, staging copies included."""
-    engine = _runtime.engine
+def wait_for_conflicts(op: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
+    """Program order (hazard 3): wait for outstanding work that writes what
+    ``op`` reads, or touches what it writes, before anything reads them
+    (staging copies included). Public for features that read or write
+    tensors locally (packing, compressing)."""
+    engine = _rt().engine
     if engine.outstanding:
         engine.order_before(reads, writes, op)
 
@@ -357,14 +359,17 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
 
 def combine(op: str, works: Sequence[Optional[Work]], post: Sequence[Callable[[], None]] = (),
             result: Sequence[torch.Tensor] = (), async_op: bool = True,
-            group: Optional[Group] = None) -> Optional[Work]:
+            group: Optional[Group] = None, reads: Sequence[torch.Tensor] = (),
+            writes: Sequence[torch.Tensor] = ()) -> Optional[Work]:
     """One Work for several async works (features built on the API, e.g.
     fusion): it completes when all have, then runs ``post`` (e.g. unpacking).
-    With ``async_op=False`` waits and returns None."""
+    ``reads``/``writes``: the tensors ``post`` touches, so later ops order
+    after it. With ``async_op=False`` waits and returns None."""
     rt, g = _rt(), _group(group, op)
     works = [w for w in works if w is not None]
     backends = "+".join(dict.fromkeys(w.backend for w in works)) or "none"
-    return rt.engine.run(op, backends, AfterAll(rt.engine, works), (), (), post, g.timeout, result, async_op)
+    return rt.engine.run(op, backends, AfterAll(rt.engine, works), tuple(reads), tuple(writes),
+                         post, g.timeout, result, async_op)
 
 
 def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
@@ -384,7 +389,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
     _check("all_reduce", tensor)
     if g.rank < 0:
         return None
-    _order("all_reduce", (tensor,), (tensor,))
+    wait_for_conflicts("all_reduce", (tensor,), (tensor,))
     post: list = []
     t = tensor if tensor.is_contiguous() else _contiguous(tensor, True, post)
     (t,), rop = _reduction("all_reduce", (t,), op, g, post)
@@ -402,7 +407,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
     if g.rank < 0:
         return None
     root = _root("broadcast", g, src)
-    _order("broadcast", (tensor,), (tensor,))
+    wait_for_conflicts("broadcast", (tensor,), (tensor,))
     post: list = []
     t = _contiguous(tensor, True, post)
     nbytes = _nbytes(tensor)
@@ -419,7 +424,7 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
     if g.rank < 0:
         return None
     root = _root("reduce", g, dst, "dst")
-    _order("reduce", (tensor,), (tensor,))
+    wait_for_conflicts("reduce", (tensor,), (tensor,))
     post: list = []
     (t,), rop = _reduction("reduce", [_contiguous(tensor, True, post)], op, g, post,
                            holds_result=g.rank == root)
@@ -444,7 +449,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                          f"{input_tensor.numel()} x {g.size} ranks = {input_tensor.numel() * g.size}")
     if g.rank < 0:
         return None
-    _order(op, (input_tensor,), (output_tensor,))
+    wait_for_conflicts(op, (input_tensor,), (output_tensor,))
     post: list = []
     out = _contiguous(output_tensor, True, post)
     inp = _private(_contiguous(input_tensor, False, post), out)
@@ -464,7 +469,7 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     _check_list(op, tensor_list, "tensor_list", tensor, g.size)
     if g.rank < 0:
         return None
-    _order(op, (tensor,), tuple(tensor_list))
+    wait_for_conflicts(op, (tensor,), tuple(tensor_list))
     flat = tensor.new_empty(g.size * tensor.numel())
     post = [_unpack(flat, tensor_list)]
     inp = tensor.contiguous()
@@ -488,7 +493,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                          f"{output.numel()} x {g.size} ranks = {output.numel() * g.size}")
     if g.rank < 0:
         return None
-    _order(name, (input,), (output,))
+    wait_for_conflicts(name, (input,), (output,))
     post: list = []
     out = _contiguous(output, True, post)
     inp = _private(_contiguous(input, False, post), out)
@@ -510,7 +515,7 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
     _check_list(name, input_list, "input_list", output, g.size)
     if g.rank < 0:
         return None
-    _order(name, tuple(input_list), (output,))
+    wait_for_conflicts(name, tuple(input_list), (output,))
     post: list = []
     out = _contiguous(output, True, post)
     flat = torch.cat([t.reshape(-1) for t in input_list]) if input_list else output.new_empty(0)
@@ -539,7 +544,7 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
         post.append(_unpack(flat, gather_list))
     elif gather_list:
         raise ValueError(f"{op}: gather_list must be None or empty on non-destination rank {get_rank()}")
-    _order(op, (tensor,), tuple(gather_list or ()))
+    wait_for_conflicts(op, (tensor,), tuple(gather_list or ()))
     inp = tensor.contiguous().view(-1)
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
                    lambda b, h: b.gather(h, flat, inp, root), reads=(tensor,),
@@ -560,11 +565,11 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
     flat = None
     if g.rank == root:
         _check_list(op, scatter_list, "scatter_list", tensor, g.size)
-        _order(op, tuple(scatter_list), (tensor,))
+        wait_for_conflicts(op, tuple(scatter_list), (tensor,))
         flat = torch.cat([t.reshape(-1) for t in scatter_list])
     elif scatter_list:
         raise ValueError(f"{op}: scatter_list must be None or empty on non-source rank {get_rank()}")
-    _order(op, (), (tensor,))
+    wait_for_conflicts(op, (), (tensor,))
     post: list = []
     out = _contiguous(tensor, True, post)
     return _submit(op, g, _nbytes(tensor) * g.size, tensor, backend, async_op,
@@ -591,7 +596,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     row_in, row_out = _row(input), _row(output)
     if row_in != row_out:
         raise ValueError(f"{op}: input rows have {row_in} elements but output rows have {row_out}")
-    _order(op, (input,), (output,))
+    wait_for_conflicts(op, (input,), (output,))
     post: list = []
     out = _contiguous(output, True, post)
     inp = _private(_contiguous(input, False, post), out)
@@ -618,7 +623,7 @@ def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[t
     if g.rank < 0:
         return None
     ref = input_tensor_list[0]
-    _order(op, tuple(input_tensor_list), tuple(output_tensor_list))
+    wait_for_conflicts(op, tuple(input_tensor_list), tuple(output_tensor_list))
     flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
     flat_out = ref.new_empty(sum(t.numel() for t in output_tensor_list))
     in_counts = [t.numel() for t in input_tensor_list]
@@ -697,7 +702,7 @@ def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False
     reads, writes = ((tensor,), ()) if sending else ((), (tensor,))
 
     def start(async_op: bool):
-        _order(op, reads, writes)
+        wait_for_conflicts(op, reads, writes)
         post: list = []
         t = _contiguous(tensor, not sending, post)
         begin = (lambda b, h: b.send(h, t, gpeer, tag)) if sending else \

@@ -121,11 +121,23 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return s1 < e2 and s2 < e1
 
 
+def _ranges(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> list:
+    """(device, start, end, written) for every tensor an op touches."""
+    return ([(t.device, *_span(t), False) for t in reads]
+            + [(t.device, *_span(t), True) for t in writes])
+
+
+def _conflict(new: list, old: list) -> bool:
+    """Do two ops' ranges overlap with at least one of the two writing?"""
+    return any(d1 == d2 and s1 < e2 and s2 < e1 and (w1 or w2)
+               for d1, s1, e1, w1 in new for d2, s2, e2, w2 in old)
+
+
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
     __slots__ = ("op", "backend", "_engine", "_pending", "_post", "_reads", "_writes",
-                 "_timeout", "_done", "_error", "_result", "_future")
+                 "_timeout", "_done", "_error", "_result", "_future", "_spans")
 
     def __init__(self, engine: "Engine", op: str, backend: str, pending: Pending,
                  reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = (),
@@ -143,6 +155,7 @@ class Work:
         self._error: Optional[BaseException] = None
         self._result = list(result)
         self._future: Optional[torch.futures.Future] = None
+        self._spans: Optional[list] = None  # _ranges(reads, writes), computed once when needed
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self._done else "pending")
@@ -293,12 +306,13 @@ class Engine:
         """Wait for outstanding works that conflict with a new op's tensors."""
         if not self.outstanding:
             return
-        reads, writes = tuple(reads), tuple(writes)
+        new = _ranges(reads, writes)
         for work in list(self.outstanding):
             if work._done:
                 continue
-            if (any(_overlap(w, t) for w in writes for t in (*work._reads, *work._writes))
-                    or any(_overlap(r, t) for r in reads for t in work._writes)):
+            if work._spans is None:
+                work._spans = _ranges(work._reads, work._writes)
+            if _conflict(new, work._spans):
                 try:
                     work.wait()
                 except CommError as exc:

@@ -5,8 +5,8 @@ import torch
 
 import mcrdl
 from common import check
-from mcrdl.features import (BF16Compressor, FP16Compressor, Int8Compressor, NoneCompressor,
-                            compressed_all_gather, compressed_all_reduce)
+from mcrdl.features.compression import (BF16Compressor, FP16Compressor, Int8Compressor, NoneCompressor,
+                                       compressed_all_gather, compressed_all_reduce)
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()

@@ -5,9 +5,8 @@ import torch
 
 import mcrdl
 from common import check, reduced, value
-from mcrdl.features import (all_gather_coalesced, all_reduce_coalesced, broadcast_coalesced,
-                            fusion_buffer_pool)
-from mcrdl.features.fusion import plan_buckets
+from mcrdl.features.fusion import (all_gather_coalesced, all_reduce_coalesced, broadcast_coalesced,
+                                   fusion_buffer_pool, plan_buckets)
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()

@@ -79,7 +79,6 @@ Both functions are synchronous and return None.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, List, Optional, Sequence, Union
 
 import torch
@@ -87,7 +86,6 @@ import torch
 from .. import api
 from ..runtime import Group
 from ..types import ReduceOp, UnsupportedError
-from .fusion import order_before
 
 __all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Int8Compressor",
            "compressed_all_reduce", "compressed_all_gather", "all_reduce_wire_bytes"]
@@ -163,6 +161,9 @@ class Compressor:
         """``(payload, ctx)``: ``payload`` is a list of contiguous tensors to
         send; with error feedback the residual stored under ``key`` (see the
         module docstring) is added first and the new residual stored."""
+        if self.lossy and not tensor.dtype.is_floating_point:
+            raise UnsupportedError(f"{type(self).__name__}.compress: {tensor.dtype} input refused "
+                                   "(lossy compressors take floating point only)")
         if not self.error_feedback:
             return self.encode(tensor)
         k = self._key(tensor, key)
@@ -433,7 +434,7 @@ def compressed_all_reduce(tensor: torch.Tensor, compressor: Compressor, op=Reduc
     if tensor.numel() == 0:
         return None
     n = api.get_world_size(group)
-    order_before((tensor,), (tensor,), fn)
+    api.wait_for_conflicts(fn, (tensor,), (tensor,))
     payload, ctx = compressor.compress(tensor, key)
     if compressor.summable:
         if len(payload) != 1:
@@ -489,7 +490,7 @@ def compressed_all_gather(output: Union[torch.Tensor, List[torch.Tensor]], tenso
                         f"got {type(output).__name__}")
     if tensor.numel() == 0:
         return None
-    order_before((tensor,), tuple(outs) if outs is not None else (output,), fn)
+    api.wait_for_conflicts(fn, (tensor,), tuple(outs) if outs is not None else (output,))
     payload, ctx = compressor.compress(tensor, key)
     if len(payload) == 1:
         buf = payload[0].view(-1)

@@ -30,6 +30,9 @@ after that call's results are unpacked, so an outstanding async call's buffer
 is never reused. Free buffers are kept up to ``MCRDL_FUSION_POOL_BYTES``
 (default 256 MiB), least recently used evicted first.
 
+A blocking call keeps at most ``SYNC_WINDOW`` (2) buckets in flight, packing the
+next while the previous run; an async call issues every bucket at once.
+
 Sync calls return None; ``async_op=True`` returns one :class:`mcrdl.Work`
 (made by ``mcrdl.api.combine``) that completes when every bucket is done and
 unpacked; ``get_future()`` works on it and ``result()`` is the original tensors.
@@ -284,29 +287,6 @@ def _precheck(fn: str, op: str, buckets, tensors, what: str, group, backend, rop
             raise UnsupportedError(f"{fn}: {what}[{i}] ({b.dtype} on {b.device}): {exc}") from None
 
 
-def order_before(reads, writes, what: str) -> None:
-    """Program order (design hazard 3) for work done outside the API calls:
-    wait for outstanding mcrdl work that writes what we are about to read (or
-    touches what we are about to write) before packing/compressing locally."""
-    rt = api._runtime
-    if rt is None or not rt.engine.outstanding:
-        return
-    hook = getattr(api, "_order", None)  # the API's own program-order step
-    if hook is not None:
-        hook(what, tuple(reads), tuple(writes))
-    else:  # older engine signature
-        rt.engine.order_before(reads, writes, what, "local")
-
-
-def _track(work, reads, writes):
-    """Let later ops order themselves after this combined work: combine()
-    registers no tensors, but its unpacking writes the originals."""
-    if isinstance(work, Work):
-        work._reads = tuple(reads)
-        work._writes = tuple(writes)
-    return work
-
-
 def _pack(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
     torch.cat([t.reshape(-1) for t in members], out=flat)
 
@@ -330,8 +310,7 @@ def _copy_out(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
 
 def _finish(fn: str, works: list, post: list, result: list, async_op: bool, group,
             reads, writes) -> Optional[Work]:
-    work = api.combine(fn, works, post, result, async_op, group)
-    return _track(work, reads, writes) if async_op else None
+    return api.combine(fn, works, post, result, async_op, group, reads, writes)
 
 
 #: Buckets a *blocking* coalesced call keeps in flight: the next bucket is packed
@@ -391,7 +370,7 @@ def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM, group: Op
         return None
     buckets = plan_buckets(tensors, cap)
     _precheck(fn, "all_reduce", buckets, tensors, "tensors", group, backend, rop)
-    order_before(tensors, tensors, fn)
+    api.wait_for_conflicts(fn, tensors, tensors)
     if not async_op and len(buckets) == 1 and buckets[0].direct:
         api.all_reduce(tensors[buckets[0].index[0]], op, group, backend=backend)
         return None
@@ -429,7 +408,7 @@ def broadcast_coalesced(tensors: List[torch.Tensor], src: int, group: Optional[G
     is_src = api.get_rank() == src
     buckets = plan_buckets(tensors, cap)
     _precheck(fn, "broadcast", buckets, tensors, "tensors", group, backend)
-    order_before(tensors, () if is_src else tensors, fn)
+    api.wait_for_conflicts(fn, tensors, () if is_src else tensors)
     if not async_op and len(buckets) == 1 and buckets[0].direct:
         api.broadcast(tensors[buckets[0].index[0]], src, group, backend=backend)
         return None
@@ -484,7 +463,7 @@ def all_gather_coalesced(output_lists: List[List[torch.Tensor]], input_tensors: 
     outputs = [o for outs in output_lists for o in outs]
     buckets = plan_buckets(inputs, cap, factor=n)
     _precheck(fn, "all_gather_into_tensor", buckets, inputs, "input_tensors", group, backend)
-    order_before(inputs, outputs, fn)
+    api.wait_for_conflicts(fn, inputs, outputs)
     if not async_op and len(buckets) == 1 and buckets[0].direct:
         i = buckets[0].index[0]
         api.all_gather(list(output_lists[i]), inputs[i], group, backend=backend)

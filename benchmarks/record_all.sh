@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Re-run every recorded measurement in docs/results/ (2 local ranks, one after
+# the other). Run on a quiet machine: `bash benchmarks/record_all.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+OUT=docs/results
+mkdir -p "$OUT"
+run() { echo "+ $*" | tee -a "$OUT/commands.txt"; "$@"; }
+: > "$OUT/commands.txt"
+run $BIN/mcrdl run -n 2 benchmarks/allreduce_latency.py --json $OUT/allreduce_latency.json | tee $OUT/allreduce_latency.txt
+run $BIN/mcrdl run -n 2 benchmarks/selection_overhead.py --json $OUT/selection_overhead.json | tee $OUT/selection_overhead.txt
+run $BIN/mcrdl run -n 2 benchmarks/logger_overhead.py --json $OUT/logger_overhead.json | tee $OUT/logger_overhead.txt
+run $BIN/mcrdl tune -n 2 --out $OUT/tuning-2ranks.json --results $OUT/tune-sweep-2ranks.json \
+    --plot $OUT/tune-plots | tee $OUT/tune-2ranks.txt
+run $BIN/mcrdl bench -n 2 --table $OUT/tuning-2ranks.json --check --step 2 \
+    --json $OUT/bench-2ranks.json --csv $OUT/bench-2ranks.csv --plot $OUT/bench-plots | tee $OUT/bench-2ranks.txt
+if [ -f benchmarks/fusion.py ]; then
+  run $BIN/mcrdl run -n 2 benchmarks/fusion.py --json $OUT/fusion.json | tee $OUT/fusion.txt
+fi
+if [ -f benchmarks/compression.py ]; then
+  run $BIN/mcrdl run -n 2 benchmarks/compression.py --json $OUT/compression.json | tee $OUT/compression.txt
+fi
