@@ -69,7 +69,7 @@ def test_one_process_without_a_launcher():
 @pytest.mark.parametrize("default_backend", ["mpi", "gloo"])
 def test_torch_collectives_match_references(default_backend):
     out = run_job(2, "torch_backend_ops_job.py", default_backend, timeout=300)
-    assert out.count(f"TORCH BACKEND OPS OK") == 2, out[-3000:]
+    assert out.count("TORCH BACKEND OPS OK") == 2, out[-3000:]
 
 
 @pytest.mark.parametrize("default_backend", ["mpi", "gloo"])

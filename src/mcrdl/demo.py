@@ -54,10 +54,10 @@ def add_args(p) -> None:
     p.add_argument("--out", default=os.path.join("out", "demo"), help="output directory (default out/demo)")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run (default 8)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per run (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds; every mode runs once per round, interleaved (default 3)")
+    p.add_argument("--rounds", type=int, default=6,
+                   help="rounds; every mode runs once per round, interleaved (default 6)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--table", help="use this tuning table instead of running the quick tune")
     p.add_argument("--tune-sizes", default=TUNE_SIZES, help=f"sizes of the quick tune (default {TUNE_SIZES})")
@@ -92,7 +92,6 @@ def main(args) -> int:
     rc = _inner(args, names)
     if args.no_report:
         return rc
-    import mcrdl.api as api  # noqa: F401  (rank known from the launcher)
     from .backends.mpi import mpi_launched
 
     rank = 0
@@ -124,13 +123,22 @@ def _outer(args, names: List[str]) -> int:
     print(f"mcrdl demo: {args.nprocs} local ranks; quick tune, then {', '.join(names)} in modes "
           f"{', '.join(MAIN_MODES)} ({args.steps} timed steps x {args.rounds} rounds each)", flush=True)
     t0 = time.time()
+    load0 = _loadavg()
     rc = launcher.run(launcher.build_command(args.nprocs, argv), args.timeout)
     elapsed = time.time() - t0
+    args.loadavg = {"start": load0, "end": _loadavg()}
     if rc != 0:
         print(f"mcrdl demo: the job exited {rc}", file=sys.stderr)
     command = "mcrdl demo" + "".join(f" {a}" for a in sys.argv[2:])
     rc2 = report(args, names, args.out, elapsed, command)
     return rc or rc2
+
+
+def _loadavg() -> Optional[list]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _inner(args, names: List[str]) -> int:
@@ -197,6 +205,8 @@ def rows_of(docs: Dict[str, dict]) -> List[dict]:
             rows.append({
                 "workload": name, "mode": mode, "unit": doc.get("sample_unit", "samples"),
                 "samples_per_s": s["samples_per_s"], "step_ms": s["step_ms"],
+                "step_ms_p25": s.get("step_ms_p25"), "step_ms_p75": s.get("step_ms_p75"),
+                "timed_steps": s.get("timed_steps"),
                 "comm_share": s["comm_share"],
                 "vs_gloo": s["samples_per_s"] / gloo if gloo else None,
                 "vs_best_single": s["samples_per_s"] / singles[best_single] if best_single else None,
@@ -219,7 +229,7 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
     rows = rows_of(docs)
     t = Table(title=f"mcrdl demo: {next(iter(docs.values()))['world_size'] if docs else '?'} ranks, "
                     f"{args.steps} timed steps x {args.rounds} rounds per mode (median step)")
-    for col in ("workload", "mode", "samples/s", "step ms", "comm share", "vs gloo baseline",
+    for col in ("workload", "mode", "samples/s", "step ms (p25-p75)", "comm share", "vs gloo baseline",
                 "vs best single", "losses vs baseline-gloo"):
         t.add_column(col, justify="left" if col in ("workload", "mode", "losses vs baseline-gloo") else "right")
     last = None
@@ -228,7 +238,7 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
             t.add_section()
         last = r["workload"]
         t.add_row(r["workload"], r["mode"], f"{r['samples_per_s']:.1f} {r['unit']}",
-                  f"{r['step_ms']:.1f}",
+                  f"{r['step_ms']:.1f} ({r['step_ms_p25']:.1f}-{r['step_ms_p75']:.1f})",
                   "—" if r["comm_share"] is None else f"{100 * r['comm_share']:.0f}%",
                   "—" if r["vs_gloo"] is None else f"{r['vs_gloo']:.2f}x",
                   "—" if r["vs_best_single"] is None else f"{r['vs_best_single']:.2f}x",
@@ -259,8 +269,12 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
         console.print("chart: skipped (matplotlib not installed: pip install matplotlib)")
         png = None
     import platform
+    load = getattr(args, "loadavg", None)
+    if load:
+        console.print(f"load average (1, 5, 15 min) at start {load['start']}, at end {load['end']} "
+                      f"on {os.cpu_count()} CPUs")
     doc = {"format": FORMAT, "command": command, "elapsed_s": elapsed,
-           "host": platform.node(), "cpus": os.cpu_count(),
+           "host": platform.node(), "cpus": os.cpu_count(), "loadavg": load,
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed,
            "table": table_path, "tuning_rules": rules, "rows": rows, "agree": agree_ok,
            "missing": missing, "chart": png,
@@ -320,16 +334,26 @@ def chart(rows: List[dict], path: str) -> None:
             if r and r["vs_gloo"]:
                 xs.append(j + (i - (len(MAIN_MODES) - 1) / 2) * w)
                 ys.append(r["vs_gloo"])
-        bars = ax.bar(xs, ys, w, label=mode, color=colors.get(mode))
-        for b, y in zip(bars, ys):
-            ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.2f}", ha="center", va="bottom", fontsize=6)
+        lo, hi = [], []
+        for j, wl in enumerate(workloads):
+            r = by.get((wl, mode))
+            if r and r["vs_gloo"]:
+                # throughput at the step-time quartiles, relative to the same baseline
+                lo.append(max(0.0, r["vs_gloo"] - r["vs_gloo"] * r["step_ms"] / r["step_ms_p75"]))
+                hi.append(max(0.0, r["vs_gloo"] * r["step_ms"] / r["step_ms_p25"] - r["vs_gloo"]))
+        bars = ax.bar(xs, ys, w, label=mode, color=colors.get(mode), yerr=[lo, hi],
+                      error_kw={"elinewidth": 0.7, "capsize": 1.5, "ecolor": "#444"})
+        for b, y, h in zip(bars, ys, hi):
+            ax.text(b.get_x() + b.get_width() / 2, y + h, f"{y:.2f}", ha="center", va="bottom",
+                    fontsize=6)
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads)
     ax.set_ylabel("throughput / gloo-only baseline")
-    ax.set_title("end-to-end training throughput (median step), higher is better", fontsize=10)
+    ax.set_title("training throughput / gloo-only baseline (median step; bars: step-time IQR)",
+                 fontsize=10)
     ax.legend(fontsize=8, ncol=4, loc="upper left")
-    ymax = max([r["vs_gloo"] for r in rows if r["vs_gloo"]] + [1.0])
+    ymax = max([r["vs_gloo"] * r["step_ms"] / r["step_ms_p25"] for r in rows if r["vs_gloo"]] + [1.0])
     ax.set_ylim(0, ymax * 1.25)
     if extra:
         ax2 = axes[0][1]

@@ -86,7 +86,7 @@ class Runtime:
         self.backends: dict[str, Backend] = {}
         if self.store is None and any(n in requested for n in ("gloo", "nccl")):
             self.store = self._make_store()
-        ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store)
+        ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store)
         for name in requested:
             reason = REGISTRY[name].unavailable_reason(ctx)
             if reason is None:
@@ -194,5 +194,8 @@ class Runtime:
             backend.shutdown()
         self.groups.clear()
         self.backends.clear()
+        self.selector = None
         self.world = None
-        self.store = None
+        # Groups the user still holds point here (Group.owner): drop the store so
+        # its threads stop now, not during interpreter teardown.
+        self.ctx.store = self.store = None

@@ -70,7 +70,8 @@ def crossovers(table: dict) -> list[str]:
             for r in rules:
                 span = (f"<= {human(r['max_bytes'])}" if r["max_bytes"] is not None
                         else (f"> {human(prev)}" if prev is not None else "all sizes"))
-                parts.append(f"{r['backend']} {span} ({100 * r['margin']:+.0f}%)")
+                margin = f" ({100 * r['margin']:+.0f}%)" if "margin" in r else ""
+                parts.append(f"{r['backend']} {span}{margin}")
                 prev = r["max_bytes"]
             lines.append(f"{op} [{g} ranks]: " + ", ".join(parts))
     return lines

@@ -46,6 +46,10 @@ class Pending:
     def cancel(self) -> None:
         """Best effort: withdraw a request that missed its deadline."""
 
+    def native_future(self) -> Optional[torch.futures.Future]:
+        """A future the library itself completes, if it has a trustworthy one."""
+        return None
+
 
 class Done(Pending):
     """A request that completed at submission (e.g. zero-byte messages)."""
@@ -89,19 +93,27 @@ _LEAKED: list = []
 
 
 def spin_until(test: Callable[[], bool], deadline: float) -> bool:
-    """Poll ``test`` with a backoff that yields the CPU; True if it succeeded."""
+    """Poll ``test`` until it succeeds (True) or ``deadline`` passes (False).
+
+    Busy for the first polls (microsecond latency), then yielding the CPU for
+    5 ms (a descheduled peer gets to run), then sleeping briefly (many ranks
+    on few cores, long waits)."""
     spins = 0
+    start = None
     while not test():
         spins += 1
-        if spins < 2000:
+        if spins < 200:
             continue
         now = time.monotonic()
         if now > deadline:
             return False
-        if spins < 20000:
+        if start is None:
+            start = now
+        waited = now - start
+        if waited < 0.005:
             os.sched_yield()
         else:
-            time.sleep(1e-4 if spins < 40000 else 1e-3)
+            time.sleep(5e-5 if waited < 0.1 else 1e-3)
     return True
 
 
@@ -137,7 +149,7 @@ class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
     __slots__ = ("op", "backend", "_engine", "_pending", "_post", "_reads", "_writes",
-                 "_timeout", "_done", "_error", "_result", "_future", "_spans")
+                 "_timeout", "_done", "_error", "_result", "_future", "_settled", "_spans")
 
     def __init__(self, engine: "Engine", op: str, backend: str, pending: Pending,
                  reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = (),
@@ -155,6 +167,7 @@ class Work:
         self._error: Optional[BaseException] = None
         self._result = list(result)
         self._future: Optional[torch.futures.Future] = None
+        self._settled = False  # the future was given its value
         self._spans: Optional[list] = None  # _ranges(reads, writes), computed once when needed
 
     def __repr__(self) -> str:
@@ -202,14 +215,27 @@ class Work:
         with self._engine._lock:
             if self._future is not None:
                 return self._future
-            self._future = torch.futures.Future()
+            fut = self._future = torch.futures.Future()
             done = self._done
         if done:
             self._settle_future()
+            return fut
+        pending = self._pending
+        native = pending.native_future() if pending is not None else None
+        if native is not None:  # the library completes it itself: no thread, no polling
+            native.then(self._complete_from_native)
         else:
             threading.Thread(target=self._wait_for_future, daemon=True,
                              name="mcrdl-future").start()
-        return self._future
+        return fut
+
+    def _complete_from_native(self, native: torch.futures.Future) -> None:
+        try:
+            native.value()  # raises the library's error
+        except Exception as exc:
+            self._engine._retire(self, exc)
+        else:
+            self._engine._retire(self)
 
     def _wait_for_future(self) -> None:
         try:
@@ -222,15 +248,13 @@ class Work:
         """Complete the future (never under the engine lock: callbacks may issue ops)."""
         with self._engine._lock:
             fut = self._future
-            if fut is None or fut.done() or not self._done:
+            if fut is None or self._settled or not self._done:
                 return
-            settle = (fut.set_exception, self._error) if self._error is not None else \
-                (fut.set_result, self._result)
-            self._future = _SETTLED  # nobody else settles it
-        try:
-            settle[0](settle[1])
-        finally:
-            self._future = fut
+            self._settled = True  # exactly one thread settles it
+        if self._error is not None:
+            fut.set_exception(self._error)
+        else:
+            fut.set_result(self._result)
 
     def _finish(self, error: Optional[BaseException] = None) -> None:
         """Mark done: run completion steps; the caller settles the future."""
@@ -247,16 +271,6 @@ class Work:
         self._done = True
         self._pending = None
         self._post = ()
-
-
-class _Settled:
-    """Placeholder future while a real one is being completed."""
-
-    def done(self) -> bool:
-        return True
-
-
-_SETTLED = _Settled()
 
 
 def _seconds(timeout) -> float:

@@ -198,6 +198,15 @@ cm.wait()
 same(outs[0], reduced(ranks, 3 * world, torch.float32, "sum")[3 * rank:3 * rank + 3], "coalesced rs 0")
 same(outs[1], reduced(ranks, 2 * world, torch.float32, "sum", salt=1)[2 * rank:2 * rank + 2], "coalesced rs 1")
 
+# old style (a device given): ops inside run as issued, _end_coalescing waits for all of them
+a, b = value(rank, 4, torch.float32), value(rank, 6, torch.float32, salt=2)
+with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+    dist.all_reduce(a)
+    dist.broadcast(b, world - 1, async_op=True)
+cm.wait()
+same(a, reduced(ranks, 4, torch.float32, "sum"), "device coalescing all_reduce")
+same(b, value(world - 1, 6, torch.float32, salt=2), "device coalescing broadcast")
+
 import torch.distributed._functional_collectives as fc  # noqa: E402
 
 g = dist.group.WORLD

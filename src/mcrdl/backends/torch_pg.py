@@ -22,6 +22,19 @@ _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.P
               ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
 
 
+#: Helper threads blocked in c10d ``wait()``; joined at shutdown so none is
+#: still inside torch when the interpreter tears down.
+_WAITERS: list = []
+
+
+def join_waiters(timeout: float = 1.0) -> None:
+    """Wait (bounded) for every helper thread to leave torch."""
+    deadline = time.monotonic() + timeout
+    while _WAITERS:
+        thread = _WAITERS.pop()
+        thread.join(max(deadline - time.monotonic(), 0))
+
+
 class TorchPending(Pending):
     """A c10d ``Work``. Gloo progresses on its own threads, but for some ops
     (reduce_scatter, send, recv) ``is_completed()`` stays False until
@@ -62,10 +75,18 @@ class TorchPending(Pending):
         return True
 
     def prepare_poll(self) -> None:
-        if self._waiter is None:
+        """Only ops whose is_completed() lies need a thread to call wait()."""
+        if self._waiter is None and self.lies:
             self._waiter = threading.Event()
-            threading.Thread(target=self._wait_in_background, daemon=True,
-                             name="mcrdl-torch-wait").start()
+            thread = threading.Thread(target=self._wait_in_background, daemon=True,
+                                      name="mcrdl-torch-wait")
+            _WAITERS.append(thread)
+            thread.start()
+
+    def native_future(self):
+        """The library's own future for this op (completed by gloo's threads),
+        or None where it cannot be trusted (the ops whose is_completed lies)."""
+        return None if self.lies else self.work.get_future()
 
     def _wait_in_background(self) -> None:
         try:
@@ -84,6 +105,9 @@ class TorchBackend(Backend):
 
     def version(self) -> str:
         return f"torch {torch.__version__}"
+
+    def shutdown(self) -> None:
+        join_waiters()
 
     def _make_pg(self, store, group_rank: int, size: int, timeout: timedelta):
         raise NotImplementedError

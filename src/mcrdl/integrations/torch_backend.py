@@ -16,7 +16,7 @@ tuning table > default) picks MPI, gloo or NCCL per op and message size, with
 mcrdl's progress, ordering and deadline guarantees, and the comms logger
 records them.
 
-How it plugs in (torch >= 2.3; tested with 2.13): :func:`register` calls
+How it plugs in (tested with torch 2.13): :func:`register` calls
 ``torch.distributed.Backend.register_backend("mcrdl", creator,
 extended_api=True, devices=["cpu", "cuda"])``. torch calls the creator with
 the group's store, rank, size, timeout and global ranks; it starts mcrdl if
@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence
 
@@ -304,9 +305,23 @@ class MCRDLTorchWork(dist.Work):
                 fut.set_result(self._result)
             else:
                 result = self._result
-                fut = self._work.get_future().then(lambda f: (f.wait(), result)[1])
+                fut = _mcrdl_future(self._work).then(lambda f: (f.wait(), result)[1])
             self._future = fut
         return self._future
+
+
+def _mcrdl_future(work) -> torch.futures.Future:
+    """``work.get_future()``; while another thread is settling it, mcrdl's
+    ``Work.get_future`` can hand back a placeholder, so ask again until it
+    returns the future itself."""
+    fut = work.get_future()
+    spins = 0
+    while not isinstance(fut, torch.futures.Future):
+        spins += 1
+        if spins > 1000:
+            time.sleep(1e-4)
+        fut = work.get_future()
+    return fut
 
 
 # -- the process group -------------------------------------------------------------------------

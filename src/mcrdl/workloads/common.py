@@ -411,6 +411,8 @@ def parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
                    help=f"loss/parameter agreement tolerance across modes (default {DEFAULT_RTOL})")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="group timeout (s): a stuck collective fails after this (default 300)")
     p.add_argument("--json", help="write the results (rank 0) as JSON")
     p.add_argument("--quiet", action="store_true", help="only the final table")
     workload.add_args(p)
@@ -470,7 +472,7 @@ def run_mode(workload: Workload, args, label: str, kind: str, backend: Optional[
              run_id: int) -> dict:
     """One run: init in the mode, build, warm up, time; returns rank 0's record."""
     kwargs = init_kwargs(kind, backend, workload.ops, table, coarse)
-    mcrdl.init_process_group(**kwargs)
+    mcrdl.init_process_group(timeout=args.timeout, **kwargs)
     try:
         workload.build(args, kind, variant, run_id)
         losses, step_s, comm_s, prof = [], [], [], []
@@ -549,6 +551,7 @@ def summarise(runs: List[dict], samples: int) -> Dict[str, dict]:
     for mode, rs in by.items():
         steps = [s for r in rs for s in r["step_s"]]
         med = statistics.median(steps) if steps else float("nan")
+        q = statistics.quantiles(steps, n=4, method="inclusive") if len(steps) > 1 else [med, med, med]
         shares = []
         for r in rs:
             for st, cs in zip(r["rank_step_s"], r["rank_comm_s"]):
@@ -556,6 +559,7 @@ def summarise(runs: List[dict], samples: int) -> Dict[str, dict]:
                     shares.append(sum(cs) / sum(st))
         comm_known = not (rs[0]["kind"] == "torch")
         out[mode] = {"step_ms": med * 1e3, "step_ms_mean": statistics.fmean(steps) * 1e3 if steps else None,
+                     "step_ms_p25": q[0] * 1e3, "step_ms_p75": q[2] * 1e3, "timed_steps": len(steps),
                      "samples_per_s": samples / med if med > 0 else None,
                      "comm_share": statistics.fmean(shares) if shares and comm_known else None,
                      "final_loss": rs[0]["losses"][0][-1] if rs[0]["losses"][0] else None,
@@ -572,14 +576,15 @@ def print_report(workload: Workload, doc: dict) -> None:
     cfg = ", ".join(f"{k}={v}" for k, v in doc["config"].items())
     t = Table(title=f"{workload.name}: {doc['world_size']} ranks, {doc['steps']} timed steps x "
                     f"{doc['rounds']} rounds ({cfg})")
-    for col in ("mode", f"{workload.sample_unit}/s", "step ms", "comm share", "final loss (rank 0)",
+    for col in ("mode", f"{workload.sample_unit}/s", "step ms (p25-p75)", "comm share", "final loss (rank 0)",
                 f"vs {agree['reference']}"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     for mode, s in summ.items():
         a = agree["modes"][mode]
         verdict = ("identical" if a["exact"] else f"max rel {a['max_rel']:.1e}") + \
             ("" if a["ok"] else (" (lossy)" if a["lossy"] else " MISMATCH"))
-        t.add_row(mode, f"{s['samples_per_s']:.1f}", f"{s['step_ms']:.2f}",
+        t.add_row(mode, f"{s['samples_per_s']:.1f}",
+                  f"{s['step_ms']:.2f} ({s['step_ms_p25']:.1f}-{s['step_ms_p75']:.1f})",
                   "—" if s["comm_share"] is None else f"{100 * s['comm_share']:.0f}%",
                   f"{s['final_loss']:.6f}", verdict)
     console.print(t)
@@ -595,6 +600,34 @@ def print_report(workload: Workload, doc: dict) -> None:
 
 
 def main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``workload`` as its command line says. An exception on any rank
+    aborts the whole MPI job (its peers would otherwise wait in a collective
+    until the group timeout)."""
+    try:
+        return _main(workload, argv)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        _abort_job()
+        raise
+
+
+def _abort_job() -> None:
+    import traceback
+
+    from mcrdl.backends.mpi import mpi_launched
+
+    if not mpi_launched():
+        return
+    from mpi4py import MPI
+
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        traceback.print_exc()
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
+def _main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
     args = parser(workload).parse_args(argv)
     torch.set_num_threads(args.threads)
     modes = parse_modes(args.mode, workload, args.baseline_backend)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import time
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -66,7 +67,8 @@ class DDP(Workload):
         self.rank, self.world = mcrdl.get_rank(), mcrdl.get_world_size()
         # torch's default group: DDP needs one to construct (weights broadcast, checks)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"ddp/{run_id}/", mcrdl_store()),
-                                rank=self.rank, world_size=self.world)
+                                rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=a.timeout))
         torch.manual_seed(a.seed)
         sizes = [a.inputs, *(int(x) for x in a.hidden.split(",") if x), a.classes]
         layers = []

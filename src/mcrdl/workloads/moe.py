@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
