@@ -16,7 +16,6 @@ import mpi4py
 import pytest
 import torch
 
-import mcrdl
 from mcrdl import bench, tune
 from mcrdl.tuning import TuningTable
 

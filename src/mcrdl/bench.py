@@ -27,7 +27,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import torch
 
 from . import api
@@ -96,7 +95,7 @@ class _Case:
         return ((torch.arange(count) + rank) % 7 + 1).float()
 
     def _setup(self) -> None:
-        op, n, rank = self.op, self.world, self.rank
+        op, rank = self.op, self.rank
         full = self._value(rank, self.elems)
         part = self._value(rank, self.part)
         raw = self.variant.startswith("raw-")

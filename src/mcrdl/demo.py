@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from .tune import crossovers
+
 FORMAT = "mcrdl-demo/1"
 
 #: label -> (workload module, extra arguments, extra modes)
@@ -254,7 +256,7 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
             tdoc = json.load(f)
         rules = tdoc.get("rules")
         console.print(f"tuning table {table_path}:")
-        for line in table_lines(tdoc):
+        for line in crossovers(tdoc):
             console.print("  " + line)
     agree_ok = all(r["agree"] for r in rows) and not missing
     console.print("losses after the same steps agree across modes: " +
@@ -287,25 +289,6 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
     console.print(f"results: {os.path.join(out, 'results.json')}" +
                   (f"  (total {elapsed:.0f} s)" if elapsed is not None else ""))
     return 0 if agree_ok else 1
-
-
-def table_lines(doc: dict) -> List[str]:
-    """Which backend each op uses up to which size (``margin``, when recorded,
-    is the smallest measured advantage over the runner-up)."""
-    from .bench import human
-
-    lines = []
-    for op, by_size in doc.get("rules", {}).items():
-        for g, rules in by_size.items():
-            parts, prev = [], None
-            for r in rules:
-                span = (f"<= {human(r['max_bytes'])}" if r["max_bytes"] is not None
-                        else (f"> {human(prev)}" if prev is not None else "all sizes"))
-                margin = f" (+{100 * r['margin']:.0f}%)" if "margin" in r else ""
-                parts.append(f"{r['backend']} {span}{margin}")
-                prev = r["max_bytes"]
-            lines.append(f"{op} [{g} ranks]: " + ", ".join(parts))
-    return lines
 
 
 def chart(rows: List[dict], path: str) -> None:

@@ -9,7 +9,6 @@ the same backend without talking to the others.
 """
 from __future__ import annotations
 
-import os
 from typing import Mapping, Optional
 
 import torch

@@ -222,24 +222,29 @@ class Work:
             return fut
         pending = self._pending
         native = pending.native_future() if pending is not None else None
-        if native is not None:  # the library completes it itself: no thread, no polling
-            native.then(self._complete_from_native)
-        else:
-            threading.Thread(target=self._wait_for_future, daemon=True,
-                             name="mcrdl-future").start()
+        woken = None
+        if native is not None:  # the library signals completion: sleep until then
+            woken = threading.Event()
+            native.then(lambda _: woken.set())
+        threading.Thread(target=self._wait_for_future, args=(woken,), daemon=True,
+                         name="mcrdl-future").start()
         return fut
 
-    def _complete_from_native(self, native: torch.futures.Future) -> None:
-        try:
-            native.value()  # raises the library's error
-        except Exception as exc:
-            self._engine._retire(self, exc)
-        else:
-            self._engine._retire(self)
+    def _wait_for_future(self, woken: Optional[threading.Event]) -> None:
+        """Complete the work off the caller's thread, never blocking inside a
+        library: poll every backend while any needs the caller's progress
+        (MPI); otherwise sleep until the library's own future fires."""
+        engine = self._engine
 
-    def _wait_for_future(self) -> None:
+        def step() -> bool:
+            if woken is not None and not woken.is_set() and not engine.needs_progress():
+                woken.wait(0.001)
+            else:
+                engine.poll()
+            return self._done
         try:
-            self._engine.wait(self, self._timeout, abandon=True, may_block=False)
+            if not spin_until(step, time.monotonic() + self._timeout):
+                engine._abandon(self, self._timeout)
         except BaseException:  # the error reaches the future below
             pass
         self._settle_future()
@@ -401,6 +406,11 @@ class Engine:
             except Exception:  # the library gave up on it: buffers are free
                 pass
         self._abandoned = still
+
+    def needs_progress(self) -> bool:
+        """Is any outstanding work in a library that progresses only when polled?"""
+        return any(w._pending is not None and w._pending.progress_domain is not None
+                   for w in self.outstanding)
 
     def _blocking_is_safe(self, pending: Pending) -> bool:
         """May we block inside ``pending``'s library without starving another?"""

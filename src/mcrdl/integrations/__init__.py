@@ -3,4 +3,6 @@
 * :mod:`mcrdl.integrations.torch_backend`: mcrdl as a ``torch.distributed``
   backend (``init_process_group("mcrdl")``), so torch collectives and DDP run
   through mcrdl's selector. See docs/torch_backend.md.
+* :mod:`mcrdl.integrations.ddp_hook`: DDP communication hooks that send the
+  gradient buckets through mcrdl (plain, fused, compressed). See docs/workloads.md.
 """

@@ -74,23 +74,13 @@ def _state(state) -> MCRDLHookState:
     return state if isinstance(state, MCRDLHookState) else MCRDLHookState()
 
 
-def _future_of(work) -> torch.futures.Future:
-    """``work.get_future()``, robust to a race in some mcrdl versions where it
-    returns an internal placeholder while the helper thread is completing the
-    future at that very moment (asking again returns the real one)."""
-    fut = work.get_future()
-    while not isinstance(fut, torch.futures.Future):
-        fut = work.get_future()
-    return fut
-
-
 def mcrdl_allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket over the group with an async mcrdl all-reduce."""
     st = _state(state)
     buf = bucket.buffer()
     buf.div_(mcrdl.get_world_size(st.group))
     work = mcrdl.all_reduce(buf, group=st.group, async_op=True, backend=st.backend)
-    return _future_of(work).then(lambda fut: fut.value()[0])
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def mcrdl_polled_allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -158,7 +148,7 @@ def mcrdl_fused_allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tens
                 f.set_result(b)
             return None
 
-        _future_of(work).then(settle)
+        work.get_future().then(settle)
     return fut
 
 

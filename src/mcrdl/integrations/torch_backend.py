@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence
 
@@ -305,23 +304,9 @@ class MCRDLTorchWork(dist.Work):
                 fut.set_result(self._result)
             else:
                 result = self._result
-                fut = _mcrdl_future(self._work).then(lambda f: (f.wait(), result)[1])
+                fut = self._work.get_future().then(lambda f: (f.wait(), result)[1])
             self._future = fut
         return self._future
-
-
-def _mcrdl_future(work) -> torch.futures.Future:
-    """``work.get_future()``; while another thread is settling it, mcrdl's
-    ``Work.get_future`` can hand back a placeholder, so ask again until it
-    returns the future itself."""
-    fut = work.get_future()
-    spins = 0
-    while not isinstance(fut, torch.futures.Future):
-        spins += 1
-        if spins > 1000:
-            time.sleep(1e-4)
-        fut = work.get_future()
-    return fut
 
 
 # -- the process group -------------------------------------------------------------------------
