@@ -10,7 +10,9 @@ gather-type ops, the bytes each rank sends for all-to-all, the message for p2p.
 Method: per (op, size), warm-up, then ``rounds`` rounds that run every variant
 in turn (interleaved, the order rotated each round); each runs ``iters`` calls
 (more below 8 KB), each timed alone with a barrier between calls (as OSU, so
-rooted ops cannot pipeline), per-call time = their mean. Per round the per-call
+rooted ops cannot pipeline), per-call time = their median (a shared 2-core
+machine deschedules ranks now and then; OSU's mean would carry those spikes).
+Per round the per-call
 times are reduced across ranks (avg, min, max); a result is the median over
 rounds. algbw = S / t; busbw = algbw x factor (nccl-tests). p2p is a ping-pong
 between ranks 0 and 1: latency is half the round trip.
@@ -285,13 +287,13 @@ class Bench:
         for rnd in range(self.rounds):
             for v in order[rnd % len(order):] + order[:rnd % len(order)]:  # rotate the order
                 call = cases[v].call
-                elapsed = 0.0
+                samples = []
                 for _ in range(iters):  # OSU: time each call, a barrier between calls
                     barrier()
                     start = clock()
                     call()
-                    elapsed += clock() - start
-                per_call = elapsed / iters * 1e6
+                    samples.append(clock() - start)
+                per_call = statistics.median(samples) * 1e6  # robust to descheduling spikes
                 if op == "p2p":
                     per_call /= 2  # one way of the ping-pong
                 per_round[v].append(self._reduce3(per_call))

@@ -151,7 +151,7 @@ def _cmd_bench(args, argv) -> int:
         sizes = _sweep_settings(args, [4, 1024, 65536, 1 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
         large = args.large_iters or (5 if args.quick else 10)
-        rounds = args.rounds or (2 if args.quick else 3)
+        rounds = args.rounds or (2 if args.quick else 5)
         progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
         with progress:
             b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step)
