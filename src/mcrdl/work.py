@@ -82,9 +82,13 @@ def run_post(post: Sequence[Callable[[], None]]) -> None:
     """Completion steps (copy-back, unpacking, AVG divide): not autograd ops,
     so they also work on leaf tensors that require grad (parameters)."""
     if post:
-        with torch.no_grad():
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad() costs ~1 us per use
+        try:
             for fn in post:
                 fn()
+        finally:
+            torch._C._set_grad_enabled(enabled)
 
 
 #: Buffers of requests still pending at shutdown: kept alive past MPI_Finalize,
