@@ -21,3 +21,5 @@ fi
 if [ -f benchmarks/compression.py ]; then
   run $BIN/mcrdl run -n 2 benchmarks/compression.py --json $OUT/compression.json | tee $OUT/compression.txt
 fi
+run $BIN/mcrdl demo | tee $OUT/demo.txt
+cp out/demo/demo.png $OUT/demo.png && cp out/demo/results.json $OUT/demo.json
