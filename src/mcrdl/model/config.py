@@ -53,6 +53,7 @@ class MoESpec:
     every: int = 2
     ffn_hidden: Optional[int] = None  # expert MLP width (default: the dense ffn_hidden)
     dispatch: str = "uniform"
+    count_exchange: bool = False  # an all_to_all of E int64 counts per MoE layer forward (uneven splits)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class ModelSpec:
     grad_bytes_per_element: Optional[int] = None  # default: bytes_per_element
     ffn_hidden: Optional[int] = None  # default 4 * hidden
     position_embeddings: bool = True  # learned positions (s * h parameters)
+    tied_embeddings: bool = True  # output layer shares the word embeddings (else + V * h)
     moe: Optional[MoESpec] = None
 
     @property
@@ -185,8 +187,9 @@ def load_config(path: str) -> Config:
 
 _TOP = {"name", "model", "parallel", "cluster", "compute", "alpha_beta", "comment"}
 _MODEL = {"layers", "hidden", "heads", "seq_length", "vocab", "micro_batch", "global_batch",
-          "bytes_per_element", "grad_bytes_per_element", "ffn_hidden", "position_embeddings", "moe"}
-_MOE = {"experts", "top_k", "capacity_factor", "min_capacity", "every", "ffn_hidden", "dispatch"}
+          "bytes_per_element", "grad_bytes_per_element", "ffn_hidden", "position_embeddings", "tied_embeddings", "moe"}
+_MOE = {"experts", "top_k", "capacity_factor", "min_capacity", "every", "ffn_hidden", "dispatch",
+        "count_exchange"}
 _PARALLEL = {"pipeline", "tensor", "data", "expert", "zero", "dp_bucket_bytes", "order"}
 _CLUSTER = {"world_size", "ranks_per_node"}
 _COMPUTE = {"peak_tflops", "utilization", "recompute", "dp_overlap"}
@@ -265,7 +268,8 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
                       min_capacity=pos_int(e, "min_capacity", "model.moe", 4, minimum=0),
                       every=pos_int(e, "every", "model.moe", 2),
                       ffn_hidden=pos_int(e, "ffn_hidden", "model.moe", None, allow_none=True),
-                      dispatch=dispatch)
+                      dispatch=dispatch,
+                      count_exchange=boolean(e, "count_exchange", "model.moe", False))
     model = ModelSpec(
         layers=pos_int(m, "layers", "model"), hidden=pos_int(m, "hidden", "model"),
         heads=pos_int(m, "heads", "model"), seq_length=pos_int(m, "seq_length", "model"),
@@ -274,7 +278,8 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
         bytes_per_element=pos_int(m, "bytes_per_element", "model", 2),
         grad_bytes_per_element=pos_int(m, "grad_bytes_per_element", "model", None, allow_none=True),
         ffn_hidden=pos_int(m, "ffn_hidden", "model", None, allow_none=True),
-        position_embeddings=boolean(m, "position_embeddings", "model", True), moe=moe)
+        position_embeddings=boolean(m, "position_embeddings", "model", True),
+        tied_embeddings=boolean(m, "tied_embeddings", "model", True), moe=moe)
 
     par = obj(top.get("parallel", {}), "parallel", _PARALLEL)
     order = par.get("order", list(DEFAULT_ORDER))

@@ -47,9 +47,11 @@ def layer_params(cfg: Config, i: int) -> int:
 
 
 def embedding_params(cfg: Config) -> int:
-    """Word embeddings V h (+ learned positions s h); tied with the output layer."""
+    """Word embeddings V h (+ learned positions s h); tied with the output layer
+    (untied: + V h for the output layer)."""
     m = cfg.model
-    return m.vocab * m.hidden + (m.seq_length * m.hidden if m.position_embeddings else 0)
+    return (m.vocab * m.hidden * (1 if m.tied_embeddings else 2)
+            + (m.seq_length * m.hidden if m.position_embeddings else 0))
 
 
 def moe_layer_count(cfg: Config, first: int = 0, last: Optional[int] = None) -> int:
@@ -298,6 +300,9 @@ def stage_traffic(cfg: Config, stage: int) -> list[Traffic]:
         disp = moe_dispatch(cfg)
         add("ep", "all_to_all", "token dispatch + combine (fwd and bwd)", e, disp["message_bytes"],
             4 * n_moe * mb)
+        if m.moe.count_exchange:  # per-expert token counts (int64) before an uneven dispatch
+            add("ep", "all_to_all", "per-expert token counts (fwd)", e, m.moe.experts * 8,
+                n_moe * mb)
     # data: gradients (and ZeRO parameter gathers)
     params = param_count(cfg)
     for dim, group, n in (("dp", d, params["dense_per_rank"]),
