@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..types import ReduceOp
 from ..work import Pending
-from .base import Backend, Context
+from .base import Backend
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
               ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -98,10 +98,6 @@ class TorchPending(Pending):
 
 class TorchBackend(Backend):
     """A torch.distributed process-group library; subclasses name it."""
-
-    def __init__(self, ctx: Context):
-        super().__init__(ctx)
-        self._groups = 0
 
     def version(self) -> str:
         return f"torch {torch.__version__}"

@@ -25,7 +25,6 @@ from .config import Config
 DIMS = ("tp", "pp", "ep", "dp", "edp")
 DIM_NAMES = {"tp": "tensor", "pp": "pipeline", "ep": "expert (all-to-all)",
              "dp": "data", "edp": "data (expert params)"}
-RING_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 # -- parameters and FLOPs ------------------------------------------------------------------
@@ -196,10 +195,6 @@ class Traffic:
         """Bytes one rank sends per iteration for this entry."""
         return self.count * self.sent_per_call
 
-    @property
-    def lookup_bytes_per_iteration(self) -> float:
-        return self.count * self.message_bytes
-
 
 def sent_per_call(op: str, group: int, nbytes: float) -> float:
     """Bytes one rank sends for one call of ``op`` on a group (ring / pairwise)."""
@@ -333,14 +328,6 @@ def stage_traffic(cfg: Config, stage: int) -> list[Traffic]:
 
 def all_stage_traffic(cfg: Config) -> list[list[Traffic]]:
     return [stage_traffic(cfg, k) for k in range(cfg.layout.pipeline)]
-
-
-def totals_by_dim(entries: list[Traffic]) -> dict:
-    """{dim: bytes sent per rank per iteration}."""
-    out: dict[str, float] = {}
-    for x in entries:
-        out[x.dim] = out.get(x.dim, 0.0) + x.bytes_per_iteration
-    return out
 
 
 # -- matrix ----------------------------------------------------------------------------------
