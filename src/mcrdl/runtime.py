@@ -55,6 +55,76 @@ def _load_table(spec: Union[None, str, dict, TuningTable], live) -> Optional[Tun
     return spec
 
 
+def _iface_address(name: str) -> Optional[str]:
+    """IPv4 address of network interface ``name`` (Linux), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("256s", name.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+    except (OSError, ImportError):
+        return None
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr == "::1"
+
+
+def _store_address(single_host: bool) -> str:
+    """The address rank 0's rendezvous store listens on (and the others connect to).
+
+    ``MCRDL_MASTER_ADDR`` if set; else loopback when every rank is on this host;
+    else the address of the first interface in ``GLOO_SOCKET_IFNAME`` (the network
+    the user chose for gloo); else this host's name's address unless it is a
+    loopback one (Debian maps the hostname to 127.0.1.1); else the source address of
+    the default route. Only that address is bound, never every interface."""
+    explicit = os.environ.get("MCRDL_MASTER_ADDR")
+    if explicit:
+        return explicit
+    if single_host:
+        return "127.0.0.1"
+    for name in filter(None, os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")):
+        addr = _iface_address(name)
+        if addr:
+            return addr
+        raise RuntimeError(f"GLOO_SOCKET_IFNAME names {name!r}, which has no IPv4 address here; "
+                           "set MCRDL_MASTER_ADDR")
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not _is_loopback(addr):
+            return addr
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+            addr = s.getsockname()[0]
+        if not _is_loopback(addr):
+            return addr
+    except OSError:
+        pass
+    raise RuntimeError("cannot tell which address the other hosts reach this one on: set "
+                       "MCRDL_MASTER_ADDR (or GLOO_SOCKET_IFNAME)")
+
+
+def _listen(host: str) -> socket.socket:
+    """A listening TCP socket on ``host`` (an address or a name), on a free port."""
+    errors = []
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(sockaddr)
+            sock.listen(128)
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(f"{sockaddr[0]}: {exc.strerror or exc}")
+    raise RuntimeError(f"cannot listen on {host!r} ({'; '.join(errors) or 'no address'}): "
+                       "MCRDL_MASTER_ADDR must be an address of rank 0's host")
+
+
 class Runtime:
     """Everything one initialised job holds. Created by
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
@@ -137,18 +207,35 @@ class Runtime:
 
         td = timedelta(seconds=self.timeout)
         if self.mpi_comm is not None:
-            # Rank 0 binds a free port and tells everyone over MPI.
-            host = None
+            # Rank 0 binds a free port on one address (loopback for a single-host job,
+            # see _store_address) and tells everyone over MPI; an error there is
+            # raised on every rank instead of stranding the others in bcast.
+            msg = None
             if self.rank == 0:
-                host = (os.environ.get("MCRDL_MASTER_ADDR") or
-                        ("127.0.0.1" if self.local_size == self.world_size
-                         else socket.gethostbyname(socket.gethostname())))
-                store = dist.TCPStore(host, 0, self.world_size, True, timeout=td,
-                                      wait_for_workers=False)
-                addr = (host, store.port)
-            else:
-                addr = None
-            host, port = self.mpi_comm.bcast(addr, root=0)
+                try:
+                    single_host = self.local_size == self.world_size
+                    sock = _listen(_store_address(single_host))
+                    host = sock.getsockname()[0]  # the address bound, also when named
+                    if _is_loopback(host) and not single_host:
+                        sock.close()
+                        raise RuntimeError(f"the store address resolves to {host} on rank 0, which "
+                                           "other hosts cannot reach: set MCRDL_MASTER_ADDR to an "
+                                           "address of rank 0's host")
+                    try:
+                        store = dist.TCPStore(host, sock.getsockname()[1], self.world_size, True,
+                                              timeout=td, wait_for_workers=False,
+                                              master_listen_fd=sock.fileno())
+                    except BaseException:
+                        sock.close()
+                        raise
+                    sock.detach()  # the store's server owns (and closes) the socket now
+                    msg = (host, store.port)
+                except Exception as exc:  # noqa: BLE001 - reported on every rank
+                    msg = f"{type(exc).__name__}: {exc}"
+            msg = self.mpi_comm.bcast(msg, root=0)
+            if isinstance(msg, str):
+                raise RuntimeError(f"mcrdl: rank 0 could not start the rendezvous store: {msg}")
+            host, port = msg
             if self.rank != 0:
                 store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
             self.mpi_comm.Barrier()  # everyone connected before rank 0 may leave
