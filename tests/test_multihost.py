@@ -59,6 +59,19 @@ def test_jobs_across_namespace_hosts(n, tmp_path):
     assert netns.leftovers() == []
 
 
+@needs_netns
+def test_torchrun_nnodes_across_namespace_hosts():
+    """torchrun --nnodes=2, one agent per host (MPI not live: gloo only). The store
+    is torchrun's own, and it listens on every interface (torch's choice, kept)."""
+    with netns.hosts(2) as cluster:
+        r = cluster.torchrun([str(JOBS / "store_job.py"), "::"], timeout=120)
+        assert r.returncode == 0 and r.output.count("OK store") == 2, r.output[-4000:]
+        r = cluster.torchrun([str(JOBS / "ops_job.py")], timeout=240)
+        assert r.returncode == 0 and r.output.count("OK 1094 checks on ['gloo']") == 2, r.output[-4000:]
+        _moved(r, 500_000)
+    assert netns.leftovers() == []
+
+
 def _latencies(path):
     return {(x["op"], x["bytes"], x["variant"]): x["max_us"] for x in json.loads(path.read_text())["results"]}
 

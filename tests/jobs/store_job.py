@@ -1,6 +1,7 @@
 """Where does the rendezvous store listen? Rank 0 reads the kernel's socket table
-(/proc/net/tcp, tcp6) for the store's port and checks the listening address.
-Usage: store_job.py EXPECTED_ADDRESS"""
+(/proc/net/tcp, tcp6) for the store's port and checks the listening address
+(under torchrun: torchrun's store, on MASTER_PORT). Usage: store_job.py EXPECTED_ADDRESS"""
+import os
 import socket
 import struct
 import sys
@@ -34,9 +35,11 @@ def listening(port):
 
 
 if rank == 0:
-    store = mcrdl.api._rt().store
-    addrs = listening(store.port)
-    print(f"rank 0 on {socket.gethostname()}: store port {store.port} listens on {addrs}", flush=True)
+    rt = mcrdl.api._rt()
+    # under torchrun the store is torchrun's (MASTER_PORT), under MPI it is mcrdl's own
+    port = rt.store.port if rt.mpi_comm is not None else int(os.environ["MASTER_PORT"])
+    addrs = listening(port)
+    print(f"rank 0 on {socket.gethostname()}: store port {port} listens on {addrs}", flush=True)
     check(addrs == [sys.argv[1]], "store listens on", addrs, "expected", [sys.argv[1]])
 t = torch.ones(4)
 mcrdl.all_reduce(t, backend="gloo")  # the store did its job: gloo connected through it

@@ -21,6 +21,9 @@ Command line (as root, from the repository root)::
     python -m tests.multihost.netns run -n 4 [--delay 1ms] [--rate 1gbit] -- PROGRAM ARGS...
         `mcrdl run` of PROGRAM (x.py, -m module, or a venv tool) with one rank
         per host; prints the job's output and the bytes each host sent/received.
+    python -m tests.multihost.netns torchrun -n 2 -- PROGRAM ARGS...
+        the same under `torchrun --nnodes=N` (one agent per host, host 0 the
+        rendezvous; gloo only, as under any torchrun launch).
     python -m tests.multihost.netns check      # can this machine run it? (exit 0/1)
     python -m tests.multihost.netns cleanup    # remove left-overs of a crashed run
 """
@@ -199,6 +202,35 @@ class Cluster:
             cmd += ["--timeout", str(timeout)]
         return cmd + ["--", *program]
 
+    def torchrun(self, program: Sequence[str], timeout: float = 300, env: Optional[dict] = None,
+                 port: int = 29500) -> "JobResult":
+        """Run ``program`` under ``torchrun --nnodes=N``: one agent per host (started
+        there through ``mcrdl run --launcher torchrun``), one rank each, host 0 the
+        rendezvous; MPI is not live then. Outputs are concatenated in host order."""
+        before = self.counters()
+        full_env = {**os.environ, **self.env, **(env or {})}
+        start = time.monotonic()
+        procs = []
+        for k, host in enumerate(self.hosts):
+            cmd = [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", "torchrun", "-n", "1",
+                   "--timeout", str(timeout),
+                   "--extra", f"--nnodes={len(self.hosts)} --node-rank={k} "
+                              f"--master-addr={self.addrs[0]} --master-port={port}", "--", *program]
+            procs.append(subprocess.Popen(in_host(host, cmd), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, env=full_env))
+        watchdog = threading.Timer(timeout + 30, self.kill_all)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            outs = [p.communicate()[0] for p in procs]
+        finally:
+            watchdog.cancel()
+        rc = next((p.returncode for p in procs if p.returncode), 0)
+        seconds = time.monotonic() - start
+        after = self.counters()
+        traffic = {h: {k: after[h][k] - before[h][k] for k in after[h]} for h in self.hosts}
+        return JobResult(rc, "".join(outs), traffic, seconds)
+
     def run(self, program: Sequence[str], nprocs: Optional[int] = None, timeout: float = 300,
             env: Optional[dict] = None, extra: Sequence[str] = (), echo: bool = False) -> "JobResult":
         """Run ``program`` as a job over the hosts (``mcrdl run`` kills it after
@@ -360,12 +392,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.multihost.netns", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run PROGRAM with one rank per namespace host")
-    r.add_argument("-n", "--hosts", type=int, default=2, help="number of hosts (= ranks), default 2")
-    r.add_argument("--delay", help="tc netem delay on every host's interface, e.g. 1ms (needs sch_netem)")
-    r.add_argument("--rate", help="rate limit of every host's interface, e.g. 1gbit (tc tbf; netem with --delay)")
-    r.add_argument("--timeout", type=float, default=600, help="kill the job after this many seconds")
-    r.add_argument("program", nargs=argparse.REMAINDER, help="-- x.py args | -m module args | tool args")
+    for name, helptext in (("run", "run PROGRAM with mcrdl run (mpiexec), one rank per namespace host"),
+                           ("torchrun", "run PROGRAM under torchrun --nnodes=N, one agent and rank per host")):
+        r = sub.add_parser(name, help=helptext)
+        r.add_argument("-n", "--hosts", type=int, default=2, help="number of hosts (= ranks), default 2")
+        r.add_argument("--delay", help="tc netem delay on every host's interface, e.g. 1ms (needs sch_netem)")
+        r.add_argument("--rate", help="rate limit of every host's interface, e.g. 1gbit (tc tbf; netem with --delay)")
+        r.add_argument("--timeout", type=float, default=600, help="kill the job after this many seconds")
+        r.add_argument("program", nargs=argparse.REMAINDER, help="-- x.py args | -m module args | tool args")
     sub.add_parser("check", help="say whether this machine can run the harness")
     sub.add_parser("cleanup", help="remove left-overs of an earlier (crashed) run")
     args = p.parse_args(argv)
@@ -381,13 +415,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
-        p.error("run: no program (put it after --)")
+        p.error(f"{args.command}: no program (put it after --)")
     with hosts(args.hosts, args.delay, args.rate) as cluster:
         shaped = ", ".join(x for x in (args.delay and f"delay {args.delay}",
                                        args.rate and f"rate {args.rate}") if x) or "no shaping"
         print(f"netns: {len(cluster.hosts)} hosts {', '.join(f'{h}={a}' for h, a in zip(cluster.hosts, cluster.addrs))}"
               f" ({shaped}); job env: {' '.join(f'{k}={v}' for k, v in cluster.env.items())}", flush=True)
-        result = cluster.run(program, timeout=args.timeout, echo=True)
+        if args.command == "torchrun":
+            result = cluster.torchrun(program, timeout=args.timeout)
+            print(result.output, end="")
+        else:
+            result = cluster.run(program, timeout=args.timeout, echo=True)
         print(f"netns: job exited {result.returncode} after {result.seconds:.1f} s; interface traffic:")
         for line in result.traffic_lines():
             print("  " + line)
