@@ -274,10 +274,18 @@ def _reduction(op: str, tensors: Sequence[torch.Tensor], reduce_op, g: Group, po
 
 
 def _fingerprint(rt: Runtime, g: Group, op: str, backend: Optional[str], **fields) -> None:
-    """Debug mode: all ranks compare what they are about to issue."""
+    """Debug mode: all ranks compare what they are about to issue (and count
+    their arrival, so a timeout can name the rank that did not come)."""
     g.seq += 1
+    if rt.health is not None:
+        rt.health.arrive(g.name)
     mine = {"seq": g.seq, "op": op, "backend": backend, **fields}
-    blobs = _control_allgather(rt, g, json.dumps(mine, sort_keys=True, default=str).encode())
+    try:
+        blobs = _control_allgather(rt, g, json.dumps(mine, sort_keys=True, default=str).encode())
+    except CommError as exc:  # name the user's op, not the control message
+        where = f"{op} on backend '{backend}'" if backend else op
+        exc.args = (f"{where}: debug-mode order check failed: {exc.args[0]}", *exc.args[1:])
+        raise
     prints = [json.loads(b) for b in blobs]
     keys = sorted({k for p in prints for k in p})
     differ = [k for k in keys if len({json.dumps(p.get(k), sort_keys=True) for p in prints}) > 1]
@@ -297,7 +305,7 @@ def _control(rt: Runtime, g: Group, start: Callable, what: str) -> None:
     """Run a small synchronous control collective (agreement, fingerprints)."""
     name = _control_backend(rt)
     pending = start(rt.backends[name], g.handles[name])
-    rt.engine.run(what, name, pending, (), (), (), g.timeout, (), False)
+    rt.engine.run(what, name, pending, (), (), (), g, (), False)
 
 
 def _control_max(rt: Runtime, g: Group, value: int) -> int:
@@ -354,7 +362,7 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
         pending = start(rt.backends[name], g.handles[name])
     except Exception as exc:
         raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
-    return engine.run(op, name, pending, reads, writes, post, g.timeout, result, async_op)
+    return engine.run(op, name, pending, reads, writes, post, g, result, async_op)
 
 
 def combine(op: str, works: Sequence[Optional[Work]], post: Sequence[Callable[[], None]] = (),
@@ -369,7 +377,7 @@ def combine(op: str, works: Sequence[Optional[Work]], post: Sequence[Callable[[]
     works = [w for w in works if w is not None]
     backends = "+".join(dict.fromkeys(w.backend for w in works)) or "none"
     return rt.engine.run(op, backends, AfterAll(rt.engine, works), tuple(reads), tuple(writes),
-                         post, g.timeout, result, async_op)
+                         post, g, result, async_op)
 
 
 def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:

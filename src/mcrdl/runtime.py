@@ -1,16 +1,20 @@
 """Process-group lifecycle: start the backends of one job, and groups over them."""
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import sys
 import warnings
 from datetime import timedelta
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from .backends import REGISTRY, Backend, Context
 from .backends.mpi import import_mpi, mpi_launched
+from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
+from .types import CommTimeoutError
 from .work import Engine, _seconds
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -125,6 +129,15 @@ def _listen(host: str) -> socket.socket:
                        "MCRDL_MASTER_ADDR must be an address of rank 0's host")
 
 
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
+
+
+def _abort_mpi_job(comm) -> None:
+    print("mcrdl: a communication operation failed, so MPI_Finalize could wait forever for a "
+          "missing peer: aborting the MPI job instead", file=sys.stderr, flush=True)
+    comm.Abort(1)
+
+
 class Runtime:
     """Everything one initialised job holds. Created by
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
@@ -147,6 +160,7 @@ class Runtime:
         if op_backends is None and os.environ.get("MCRDL_OP_BACKENDS"):
             op_backends = parse_op_backends(os.environ["MCRDL_OP_BACKENDS"])
         Selector(dict.fromkeys(REGISTRY), next(iter(REGISTRY)), op_backends)  # names and ops
+        beat = heartbeat_interval()
         self.timeout = timeout
         self.engine = Engine()
         self.mpi_comm = None
@@ -154,8 +168,16 @@ class Runtime:
         self._launch()
         self.unavailable: dict[str, str] = {}
         self.backends: dict[str, Backend] = {}
-        if self.store is None and any(n in requested for n in ("gloo", "nccl")):
+        if self.store is None and (any(n in requested for n in ("gloo", "nccl"))
+                                   or (beat > 0 and self.world_size > 1)):
             self.store = self._make_store()
+        self.health = None
+        if self.store is not None and beat > 0 and self.world_size > 1:
+            serving = 0 if (self.mpi_comm is not None or
+                            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True") else None
+            self.health = Health(self.store, self.rank, beat, serving)
+        self._abort_at_exit = False
+        self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store)
         for name in requested:
             reason = REGISTRY[name].unavailable_reason(ctx)
@@ -269,9 +291,30 @@ class Runtime:
         self.groups.append(group)
         return group
 
+    def _on_failure(self, work) -> str:
+        """A work timed out or its library failed; returns what the health
+        check says of its peers.
+
+        After a failed collective, or a library error (a peer's connection
+        broke), a peer may be dead or stuck and MPI_Finalize would then wait
+        for it forever: the MPI job is aborted at exit instead. A point-to-point
+        op that timed out was withdrawn and leaves nothing behind."""
+        timed_out = isinstance(work._error, CommTimeoutError)
+        if (self.mpi_comm is not None and not self._abort_at_exit
+                and (work.op not in POINT_TO_POINT or not timed_out)):
+            self._abort_at_exit = True
+            atexit.register(_abort_mpi_job, self.mpi_comm)  # runs before mpi4py's MPI_Finalize
+        group = work.group
+        if group is None or self.health is None:
+            return ""
+        return self.health.describe(group.ranks, group.name, self.debug, settle=not timed_out)
+
     def shutdown(self) -> None:
         """Release every group handle, backend and the store now (a torch process
         group still alive when the interpreter exits can abort the process)."""
+        if self.health is not None:
+            self.health.stop()
+            self.health = None
         self.engine.shutdown()
         for group in reversed(self.groups):
             for bname, handle in group.handles.items():

@@ -91,6 +91,9 @@ def run_post(post: Sequence[Callable[[], None]]) -> None:
             torch._C._set_grad_enabled(enabled)
 
 
+#: Seconds a work not tied to a group may take (torch.distributed's default).
+DEFAULT_TIMEOUT = 1800.0
+
 #: Buffers of requests still pending at shutdown: kept alive past MPI_Finalize,
 #: which may still deliver into them.
 _LEAKED: list = []
@@ -152,21 +155,22 @@ def _conflict(new: list, old: list) -> bool:
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
-    __slots__ = ("op", "backend", "_engine", "_pending", "_post", "_reads", "_writes",
-                 "_timeout", "_done", "_error", "_result", "_future", "_settled", "_spans")
+    __slots__ = ("op", "backend", "group", "_engine", "_pending", "_post", "_reads", "_writes",
+                 "_deadline", "_done", "_error", "_result", "_future", "_settled", "_spans")
 
     def __init__(self, engine: "Engine", op: str, backend: str, pending: Pending,
                  reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = (),
-                 post: Sequence[Callable[[], None]] = (), timeout: float = 1800.0,
+                 post: Sequence[Callable[[], None]] = (), group=None,
                  result: Sequence[torch.Tensor] = ()):
         self.op = op
         self.backend = backend
+        self.group = group  # its deadline is the group's timeout after submission
         self._engine = engine
         self._pending = pending
         self._post = post
         self._reads = reads
         self._writes = writes
-        self._timeout = timeout
+        self._deadline = time.monotonic() + (DEFAULT_TIMEOUT if group is None else group.timeout)
         self._done = False
         self._error: Optional[BaseException] = None
         self._result = list(result)
@@ -193,17 +197,21 @@ class Work:
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until done, progressing every backend; raise on failure.
 
-        Without ``timeout`` the group's timeout applies and a work that misses
-        it is failed for good (its peers are presumed dead or stuck). With
-        ``timeout`` a :class:`CommTimeoutError` is raised but the work stays
-        outstanding: it can be waited for again."""
+        Without ``timeout`` the group's deadline applies (its timeout counted
+        from submission) and a work that misses it is failed for good (its
+        peers are presumed dead or stuck); the error says which peers are
+        missing. With ``timeout`` a :class:`CommTimeoutError` is raised but the
+        work stays outstanding: it can be waited for again."""
         if not self._done:
             if timeout is None:
-                self._engine.wait(self, self._timeout, abandon=True)
+                self._engine.wait(self, self._deadline)
             else:
-                self._engine.wait(self, _seconds(timeout), abandon=False)
+                seconds = _seconds(timeout)
+                if not self._engine.wait(self, time.monotonic() + seconds, abandon=False):
+                    raise CommTimeoutError(f"{self.op} on backend '{self.backend}' did not complete "
+                                           f"within {seconds:.3g} s (still outstanding: wait again)")
         if self._error is not None:
-            raise self._error
+            raise self._engine.explain(self)
         return True
 
     def result(self) -> list[torch.Tensor]:
@@ -247,8 +255,8 @@ class Work:
                 engine.poll()
             return self._done
         try:
-            if not spin_until(step, time.monotonic() + self._timeout):
-                engine._abandon(self, self._timeout)
+            if not spin_until(step, self._deadline):
+                engine._abandon(self)
         except BaseException:  # the error reaches the future below
             pass
         self._settle_future()
@@ -261,12 +269,14 @@ class Work:
                 return
             self._settled = True  # exactly one thread settles it
         if self._error is not None:
-            fut.set_exception(self._error)
+            fut.set_exception(self._engine.explain(self))
         else:
             fut.set_result(self._result)
 
     def _finish(self, error: Optional[BaseException] = None) -> None:
-        """Mark done: run completion steps; the caller settles the future."""
+        """Mark done: run completion steps; the caller settles the future.
+        ``error``: what the library raised (or a CommError of mcrdl's own)."""
+        in_library = error is not None and not isinstance(error, CommError)
         if error is None:
             try:
                 run_post(self._post)
@@ -275,6 +285,7 @@ class Work:
         if error is not None and not isinstance(error, CommError):
             wrapped = CommError(f"{self.op} on backend '{self.backend}' failed: {error}")
             wrapped.__cause__ = error
+            wrapped.in_library = in_library  # the library failed: a peer may be gone
             error = wrapped
         self._error = error
         self._done = True
@@ -302,6 +313,21 @@ class Engine:
         self.outstanding: list[Work] = []
         self._lock = threading.RLock()
         self._abandoned: list = []  # (pending, buffers) of requests that missed a deadline
+        #: Told once of each work that timed out or that its library failed,
+        #: before the error reaches the user; returns a sentence on the state
+        #: of the work's peers, added to the error.
+        self.on_failure: Optional[Callable[[Work], str]] = None
+
+    def explain(self, work: Work) -> BaseException:
+        """``work``'s error, with (once) what ``on_failure`` says of its peers."""
+        error = work._error
+        if (self.on_failure is not None and not getattr(error, "explained", False)
+                and (isinstance(error, CommTimeoutError) or getattr(error, "in_library", False))):
+            error.explained = True
+            note = self.on_failure(work)
+            if note:
+                error.args = (f"{error.args[0]}; {note}", *error.args[1:])
+        return error
 
     def shutdown(self) -> None:
         """Fail what is still outstanding and release abandoned requests;
@@ -347,7 +373,7 @@ class Engine:
         for work in list(self.outstanding):
             work.wait()
 
-    def run(self, op: str, backend: str, pending: Pending, reads, writes, post, timeout: float,
+    def run(self, op: str, backend: str, pending: Pending, reads, writes, post, group,
             result, async_op: bool) -> Optional[Work]:
         """Track a started operation: return its Work (``async_op``) or wait for it.
 
@@ -356,17 +382,17 @@ class Engine:
         a Work or taking a lock: nobody else can see its request."""
         if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
             try:
-                if pending.block(time.monotonic() + timeout):
+                if pending.block(time.monotonic() + group.timeout):
                     run_post(post)
                     return None
             except Exception as exc:
-                work = Work(self, op, backend, pending, reads, writes, post, timeout, result)
+                work = Work(self, op, backend, pending, reads, writes, post, group, result)
                 work._finish(exc)
-                raise work._error from exc
-            work = Work(self, op, backend, pending, reads, writes, post, timeout, result)
-            self._abandon(work, timeout)
-            raise work._error
-        work = Work(self, op, backend, pending, reads, writes, post, timeout, result)
+                raise self.explain(work) from exc
+            work = Work(self, op, backend, pending, reads, writes, post, group, result)
+            self._abandon(work)
+            raise self.explain(work)
+        work = Work(self, op, backend, pending, reads, writes, post, group, result)
         with self._lock:
             self.outstanding.append(work)
         if async_op:
@@ -439,20 +465,19 @@ class Engine:
         work._settle_future()
         return done
 
-    def wait(self, work: Work, timeout: float, abandon: bool = True, may_block: bool = True) -> None:
-        """Wait for ``work`` up to ``timeout`` seconds, progressing every backend.
+    def wait(self, work: Work, deadline: float, abandon: bool = True) -> bool:
+        """Wait for ``work`` until ``deadline`` (monotonic s), progressing every
+        backend; True once it is done (possibly failed).
 
-        It blocks inside the work's own library only from the caller's thread
-        (``may_block``), for the group deadline (``abandon``), and when no other
-        library needs the caller's progress; otherwise it polls everything.
-        At the deadline: ``abandon`` fails the work for good, else it raises
-        :class:`CommTimeoutError` and leaves the work outstanding."""
-        deadline = time.monotonic() + timeout
+        It blocks inside the work's own library only for the group deadline
+        (``abandon``) and when no other library needs the caller's progress;
+        otherwise it polls everything. At the deadline ``abandon`` fails the
+        work for good; else False is returned and the work stays outstanding."""
         pending = work._pending
         if pending is None:
-            return
+            return True
         try:
-            if may_block and abandon and self._blocking_is_safe(pending):
+            if abandon and self._blocking_is_safe(pending):
                 if pending.progress_domain is None:  # self-progressing library
                     done = pending.block(deadline)
                     if done:
@@ -464,14 +489,11 @@ class Engine:
                 done = spin_until(lambda: (self.poll(), work._done)[1], deadline)
         except Exception as exc:
             self._retire(work, exc)
-            return
-        if done:
-            return
-        if abandon:
-            self._abandon(work, timeout)
-        else:
-            raise CommTimeoutError(f"{work.op} on backend '{work.backend}' did not complete "
-                                   f"within {timeout:.3g} s (still outstanding: wait again)")
+            return True
+        if not done and abandon:
+            self._abandon(work)
+            return True
+        return done
 
     def _retire(self, work: Work, error: Optional[BaseException] = None) -> None:
         with self._lock:
@@ -482,7 +504,7 @@ class Engine:
             work._finish(error)
         work._settle_future()
 
-    def _abandon(self, work: Work, timeout: float) -> None:
+    def _abandon(self, work: Work) -> None:
         """Fail a work that missed its group deadline. Its request is withdrawn
         where the library allows (MPI point-to-point) and polled until it is
         gone, keeping its buffers alive meanwhile."""
@@ -491,7 +513,7 @@ class Engine:
                 return
             work._pending.cancel()
             self._abandoned.append((work._pending, work._reads, work._writes, work._result))
+        timeout = DEFAULT_TIMEOUT if work.group is None else work.group.timeout
         self._retire(work, CommTimeoutError(
-            f"{work.op} on backend '{work.backend}' did not complete within "
-            f"{timeout:.1f} s (a peer may be dead, stuck, or issuing collectives "
-            f"in a different order; MCRDL_DEBUG=1 checks the order)"))
+            f"{work.op} on backend '{work.backend}' did not complete within its "
+            f"{timeout:.3g} s timeout"))

@@ -1,0 +1,107 @@
+"""One rank (the victim) dies or stops calling mid-run; every other rank must
+end with an error naming op, backend and (when it can be known) the peer.
+
+    faults_job.py BACKEND WHEN ACTION VICTIM REPORT_DIR
+
+BACKEND: mpi | gloo | mixed (MPI and gloo work outstanding together).
+WHEN: collective (victim fails while peers are inside a blocking op),
+      async (peers have async ops outstanding, including p2p with the victim),
+      between (victim fails after an op completed; peers then start the next).
+ACTION: kill (SIGKILL) | stall (stops calling, process alive).
+Each survivor appends every error as it catches it to REPORT_DIR/rank<R>.jsonl
+(seconds from the fault step, message) and creates REPORT_DIR/done<R> at the
+end. Launch with ``--extra=-disable-auto-cleanup`` so that Hydra does not kill
+the survivors as soon as the victim dies (MPICH still ends the job when a
+survivor's MPI progress sees the dead peer: it has no fault tolerance).
+"""
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import mcrdl
+
+backend, when, action, victim, report_dir = sys.argv[1:6]
+victim = int(victim)
+report_dir = Path(report_dir)
+mcrdl.init_process_group(timeout=float(os.environ.get("FAULT_TIMEOUT", "4")))
+rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+survivors = world - 1
+backends = ["mpi", "gloo"] if backend == "mixed" else [backend]
+x = torch.ones(1000)
+for b in backends:  # connections are up before the fault
+    mcrdl.all_reduce(x, backend=b)
+    mcrdl.all_gather_into_tensor(torch.empty(world * 1000), x, backend=b)
+
+
+def fail() -> None:
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 120  # stuck: alive, not calling, until the survivors reported
+    while len(list(report_dir.glob("done*"))) < survivors and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os._exit(0)
+
+
+def start_ops(async_op: bool):
+    """The fault step's ops on this rank; the victim is a p2p peer of rank (victim+1)."""
+    works = []
+    for b in backends:
+        works.append(mcrdl.all_reduce(torch.ones(1000), backend=b, async_op=async_op))
+        if async_op:
+            works.append(mcrdl.broadcast(torch.ones(100), src=victim, backend=b, async_op=True))
+    if async_op and rank == (victim + 1) % world:
+        works.append(mcrdl.irecv(torch.empty(10), src=victim, backend=backends[0]))
+    return works
+
+
+if rank == victim:
+    if when == "between":
+        mcrdl.all_reduce(x, backend=backends[-1])
+    else:
+        time.sleep(0.5)  # the survivors are inside the step by now
+    fail()
+
+if when == "between":
+    mcrdl.all_reduce(x, backend=backends[-1])
+    time.sleep(0.5)  # the victim is gone before the next op starts
+errors = 0
+t0 = time.monotonic()
+
+
+def record(exc: Exception) -> None:
+    global errors
+    errors += 1
+    with open(report_dir / f"rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps([round(time.monotonic() - t0, 3), str(exc)]) + "\n")
+
+
+if when == "collective" and backend == "mixed":
+    works = [mcrdl.all_reduce(torch.ones(1000), backend="mpi", async_op=True)]
+    try:
+        mcrdl.all_reduce(torch.ones(1000), backend="gloo")
+    except mcrdl.CommError as exc:
+        record(exc)
+else:
+    try:
+        works = start_ops(async_op=(when == "async"))
+    except mcrdl.CommError as exc:
+        record(exc)
+        works = []
+for w in works:
+    try:
+        w.wait()
+    except mcrdl.CommError as exc:
+        record(exc)
+(report_dir / f"done{rank}").touch()
+print(f"rank {rank}: {errors} errors after {time.monotonic() - t0:.1f} s", flush=True)
+# Stay until every survivor has reported (Hydra ends the job when one exits),
+# then exit through the normal path (atexit shutdown, MPI_Finalize).
+deadline = time.monotonic() + 60
+while len(list(report_dir.glob("done*"))) < survivors and time.monotonic() < deadline:
+    time.sleep(0.1)
+sys.exit(3 if errors else 0)

@@ -1,0 +1,118 @@
+"""Dead and stuck peers (hazard 6): every surviving rank ends with an error
+naming the op, the backend and, where it can be known, the missing peer,
+within the timeout; no job hangs.
+
+A killed rank is tested over gloo with ranks started directly (as a launcher
+that keeps survivors alive would): under mpiexec, MPICH ends the whole job as
+soon as a rank dies (it has no fault tolerance), which is tested too.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import JOBS
+
+TIMEOUT = 4.0  # group timeout inside the jobs (s)
+HEARTBEAT = 0.25
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "FAULT_TIMEOUT": str(TIMEOUT),
+       "MCRDL_HEARTBEAT_S": str(HEARTBEAT)}
+# Slack over the timeout: the heartbeat settle window plus a loaded 2-core machine.
+SLACK = 4.0
+OPS = ("all_reduce", "broadcast", "irecv")
+
+
+def _reports(report_dir: Path) -> dict:
+    return {int(f.stem[4:]): [json.loads(line) for line in f.read_text().splitlines()]
+            for f in report_dir.glob("rank*.jsonl")}
+
+
+def _check(reports: dict, survivors, backend: str, peer_note: str) -> None:
+    assert sorted(reports) == sorted(survivors), reports
+    for rank, errors in reports.items():
+        assert errors, f"rank {rank} saw no error"
+        for seconds, message in errors:
+            assert seconds <= TIMEOUT + SLACK, (rank, seconds, message)
+            assert any(op in message for op in OPS), message
+            names = ("mpi", "gloo") if backend == "mixed" else (backend,)
+            assert any(f"backend '{b}'" in message for b in names), message
+            assert peer_note in message, message
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(n: int, args, report_dir: Path, timeout: float = 60) -> None:
+    """Ranks as separate processes with torchrun's environment, and no agent
+    that kills the survivors when one dies."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(JOBS / "faults_job.py"), *args, str(report_dir)],
+                              env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
+                                   "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(n)]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        out = "".join(p.communicate()[0] for p in procs)
+        pytest.fail(f"job hung:\n{out[-4000:]}")
+
+
+def _mpiexec(n: int, args, report_dir: Path, extra=()) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(n), "--timeout", "90", *extra,
+           str(JOBS / "faults_job.py"), *args, str(report_dir)]
+    return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+
+
+@pytest.mark.parametrize("nprocs,when,victim", [
+    (2, "collective", 1), (2, "async", 1), (2, "between", 1), (2, "collective", 0),
+    (4, "collective", 2), (4, "async", 1), (4, "between", 3), (4, "async", 0)])
+def test_killed_rank_is_named_by_every_survivor(tmp_path, nprocs, when, victim):
+    _spawn(nprocs, ["gloo", when, "kill", str(victim)], tmp_path)
+    # Rank 0 serves the rendezvous store: its death is reported as such.
+    note = ("rank 0, which serves it, is probably dead" if victim == 0
+            else f"not responding (dead or frozen): rank {victim} ")
+    _check(_reports(tmp_path), [r for r in range(nprocs) if r != victim], "gloo", note)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "mixed"])
+def test_killed_rank_under_mpiexec_ends_the_job(tmp_path, backend):
+    start = time.monotonic()
+    proc = _mpiexec(2, [backend, "collective", "kill", "1"], tmp_path)
+    assert proc.returncode not in (0, 124), proc.stdout + proc.stderr
+    assert "signal 9" in proc.stdout + proc.stderr  # Hydra names the killed process
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("nprocs,backend,when,debug", [
+    (2, "mpi", "collective", False), (2, "gloo", "async", False), (2, "mixed", "async", True),
+    (4, "mpi", "between", True), (4, "mixed", "collective", False), (4, "gloo", "collective", True)])
+def test_stuck_rank_times_out_everywhere_and_the_job_ends(tmp_path, monkeypatch, nprocs, backend,
+                                                         when, debug):
+    victim = nprocs - 1
+    monkeypatch.setitem(ENV, "MCRDL_DEBUG", "1" if debug else "0")
+    proc = _mpiexec(nprocs, [backend, when, "stall", str(victim)], tmp_path)
+    out = proc.stdout + proc.stderr
+    # Survivors exit with their errors; MPI_Finalize would wait for the stuck
+    # rank forever, so mcrdl aborts the MPI job instead (not 124: not killed
+    # by `mcrdl run --timeout`).
+    assert proc.returncode not in (0, 124), out
+    note = (f"did not arrive at collective" if debug else "are alive, so a peer is stuck")
+    reports = _reports(tmp_path)
+    _check(reports, [r for r in range(nprocs) if r != victim], backend, note)
+    if debug:
+        assert all(f"rank {victim} (entered" in msg for errs in reports.values() for _, msg in errs)
+    assert all(t >= TIMEOUT * 0.9 for errs in reports.values() for t, _ in errs)
