@@ -34,6 +34,8 @@ def _reports(report_dir: Path) -> dict:
 
 def _check(reports: dict, survivors, backend: str, peer_note: str) -> None:
     assert sorted(reports) == sorted(survivors), reports
+    times = [t for errors in reports.values() for t, _ in errors]
+    print(f"errors on ranks {sorted(reports)}: {len(times)}, longest time to error {max(times):.2f} s")
     for rank, errors in reports.items():
         assert errors, f"rank {rank} saw no error"
         for seconds, message in errors:
