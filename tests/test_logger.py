@@ -4,7 +4,8 @@ import math
 import pytest
 
 from conftest import run_job
-from mcrdl.features.logger import CommsLogger, Record, busbw_factor, size_bin, stragglers
+from mcrdl.features.logger import (CommsLogger, Record, arrival_summary, arrival_times, busbw_factor,
+                                  size_bin, stragglers)
 
 
 def make(rank=0, world=4):
@@ -71,6 +72,35 @@ def test_traffic_row_follows_known_algorithms():
 def test_stragglers_subtract_the_fastest_rank():
     s = stragglers([{"a/mpi": 1.0}, {"a/mpi": 1.5, "b/gloo": 2.0}])
     assert s["a/mpi"] == [0.0, 0.5] and s["b/gloo"] == [0.0, 2.0]
+
+
+def test_arrival_times_take_the_last_arrivals_duration():
+    """Per collective call, the minimum over the ranks' durations; the rest is
+    waiting. Calls are matched per group by order; p2p and unfinished ops
+    keep their own."""
+    world = (0, 1, 2)
+    durations = {0: (5e-3, 1e-3, 2e-3, 7e-3), 1: (1e-3, 4e-3, 3e-3, 7e-3), 2: (2e-3, None, None, None)}
+    docs = []
+    for rank, (w0, g1, p2p, w1) in durations.items():
+        lg = make(rank=rank, world=3)
+        add(lg, "all_reduce", "mpi", 64, w0, ranks=world)                     # world, call 0
+        if g1 is not None:
+            lg.records.append(Record(len(lg.records), "all_reduce", "mpi", "group1", (0, 1), 64,
+                                     False, 1.0, 1.0 + g1))                     # group1, call 0
+            add(lg, "send" if rank == 0 else "recv", "mpi", 8, p2p, ranks=world, root=1 - rank)
+        add(lg, "all_reduce", "mpi", 64, 7e-3, ranks=world)                    # world, call 1
+        if w1 is None:
+            lg.records[-1].end = -1.0                                          # still in flight
+        docs.append(lg.to_json())
+    got = arrival_times(docs)
+    assert got[0] == pytest.approx([1e-3, 1e-3, 2e-3, 7e-3])
+    assert got[1] == pytest.approx([1e-3, 1e-3, 3e-3, 7e-3])
+    assert got[2][0] == pytest.approx(1e-3) and math.isnan(got[2][1])
+    s = arrival_summary(docs)
+    assert s["all_reduce/mpi"]["time_s"] == pytest.approx([13e-3, 12e-3, 2e-3])
+    assert s["all_reduce/mpi"]["comm_time_s"] == pytest.approx([9e-3, 9e-3, 1e-3])
+    assert s["all_reduce/mpi"]["wait_time_s"] == pytest.approx([4e-3, 3e-3, 1e-3])
+    assert s["send/mpi"]["wait_time_s"] == [0.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])

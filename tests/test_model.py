@@ -229,6 +229,23 @@ def test_fit_scales_with_group_size():
     assert p2p.time_us(1000, 2) == pytest.approx(6.0)
 
 
+def test_fit_follows_the_measured_points():
+    # a protocol switch between 1 KB and 64 KB that one line cannot follow
+    sizes, times = [4, 1024, 65536, 1 << 20], [5.0, 6.0, 60.0, 400.0]
+    fit = make_fit("all_reduce", "mpi", sizes, times, 2, "t")
+    line = lambda n: (fit.alpha_step_us * 2 + fit.beta_step_us * n)  # L(2) = 2, W(2) = 1
+    for n, t in zip(sizes, times):
+        assert fit.time_us(n, 2) == pytest.approx(t)  # the measurements at g0
+    r0, r1 = times[1] / line(1024), times[2] / line(65536)
+    assert fit.correction(8192) == pytest.approx(r0 + (r1 - r0) * 0.5)  # halfway in log n
+    assert fit.correction(1) == pytest.approx(times[0] / line(4))  # ends: nearest ratio
+    assert fit.correction(1 << 30) == pytest.approx(times[3] / line(1 << 20))
+    # other group sizes: alpha-beta scaled, times the same ratio
+    ring8 = fit.alpha_step_us * 14 + fit.beta_step_us * 1.75 * 65536
+    assert fit.time_us(65536, 8) == pytest.approx(ring8 * r1)
+    assert fit.derive("p2p").correction(65536) == 1.0
+
+
 def bench_doc(points, group=2):
     """A synthetic mcrdl-bench/1 document: points = {(op, backend): (alpha, beta)}."""
     results = []
@@ -410,6 +427,25 @@ def test_compare_with_logger_export(tmp_path, capsys):
                                     str(tmp_path / "log"), "--log-iterations", "2")
     assert rc == 0, err
     assert "prediction vs logged run" in out and "+0.0%" in out
+
+
+def test_compare_corrects_for_arrival(tmp_path):
+    """Rank 0 arrives 4 ms early at every tensor all-reduce: its logged time
+    includes the wait, the arrival-corrected time is rank 1's."""
+    cfg = make(parallel={"pipeline": 1, "tensor": 2, "data": 1}, cluster={"world_size": 2})
+    d = tmp_path / "log"
+    d.mkdir()
+    for r, took in ((0, 5e-3), (1, 1e-3)):
+        recs = [{"seq": k, "op": "all_reduce", "backend": "mpi", "group": "world", "ranks": [0, 1],
+                 "nbytes": 8192, "async_op": False, "start": k * 0.1, "end": k * 0.1 + took,
+                 "root": -1, "counts": None} for k in range(16)]
+        (d / f"records_rank{r}.json").write_text(json.dumps({"rank": r, "world_size": 2, "records": recs}))
+    tp = {(r.dim, r.op): r for r in compare(cfg, load_log(str(d)))}[("tp", "all_reduce")]
+    assert tp.meas_count == 16
+    assert tp.meas_s == pytest.approx(16 * 3e-3) and tp.meas_comm_s == pytest.approx(16 * 1e-3)
+    # one rank's file alone: nothing to correct with
+    alone = compare(cfg, load_log(str(d / "records_rank0.json")))
+    assert alone[0].meas_comm_s == alone[0].meas_s == pytest.approx(16 * 5e-3)
 
 
 def test_compare_classifies_pipeline_sends(tmp_path):

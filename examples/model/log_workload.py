@@ -10,10 +10,12 @@ logger's records with ``mcrdl model`` (docs/results/model_validation.md):
 The first argument names the workload (megatron, moe, ddp, dlrm); the rest are
 that workload's options (``examples/workloads/<name>.py --help``). Unlike the
 workload runner (src/mcrdl/workloads/common.py), this initialises once, builds
-the model and runs exactly ``--steps`` steps (``--warmup`` is ignored), so the
-export at ``destroy_process_group`` holds the steps' collectives only: no
-table broadcast, barrier or result gather. With ``--table`` the selector uses
-that tuning table (the workloads' ``tuned`` mode), else mcrdl's defaults.
+the model, runs ``--warmup`` steps, drops their records (first-call costs are
+not the steady state the model predicts) and runs exactly ``--steps`` steps,
+so the export at ``destroy_process_group`` holds the logged steps'
+collectives only: no table broadcast, barrier or result gather. With
+``--table`` the selector uses that tuning table (the workloads' ``tuned``
+mode), else mcrdl's defaults.
 """
 import importlib
 import json
@@ -22,6 +24,7 @@ import sys
 import torch
 
 import mcrdl
+from mcrdl.features.logger import comms_reset
 from mcrdl.workloads.common import init_kwargs, parser
 
 
@@ -41,7 +44,9 @@ def main(argv=None) -> int:
     mcrdl.init_process_group(timeout=args.timeout, **init_kwargs(kind, None, workload.ops, table, None))
     try:
         workload.build(args, kind, None, 0)
-        for i in range(args.steps):
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                comms_reset()
             loss = workload.step(i)
         if mcrdl.get_rank() == 0:
             print(f"[{workload.name}] {args.steps} steps logged, last loss {loss:.6f}", flush=True)

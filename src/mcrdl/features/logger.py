@@ -10,7 +10,8 @@ at a wait, a poll or ``is_completed()``.)
 
 Views: :func:`summary` (per op, backend, size bin: count, total and trimmed
 mean latency, algbw, busbw with nccl-tests factors and the full-buffer size
-for gather-type ops), a straggler view across ranks, a size histogram, JSON
+for gather-type ops), a straggler view across ranks, the arrival-corrected
+communication and wait time across ranks (:func:`arrival_times`), a size histogram, JSON
 export of raw records, a Chrome/Perfetto trace with one row per rank and
 backend, and a rank-to-rank communication matrix from the algorithms'
 known traffic, as JSON and a heatmap PNG.
@@ -75,7 +76,6 @@ class CommsLogger:
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
         self.records: list[Record] = []
-        self.enabled = True
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
 
@@ -187,6 +187,52 @@ class CommsLogger:
                 "records": [asdict(r) for r in self.records]}
 
 
+def arrival_times(docs: Sequence[dict]) -> list[list[float]]:
+    """Arrival-corrected duration of every record of every rank's document
+    (:meth:`CommsLogger.to_json`), in the same order; NaN while incomplete.
+
+    A rank's logged duration runs from its call to completion, so it includes
+    waiting for the peers that arrived later. The k-th collective on a group
+    is the same call on every member, and the member that arrived last waited
+    least: every member gets the minimum of the members' durations in ``docs``
+    (own duration when it is the only one). Point-to-point ops keep their own
+    duration; so do async ops, timed until the runtime noticed completion."""
+    keyed, best = [], {}
+    for doc in docs:
+        seq: dict = {}
+        keys = []
+        for r in doc["records"]:
+            key = None
+            if OP_CLASS.get(r["op"], r["op"]) != "p2p":
+                g = (r.get("group"), tuple(r.get("ranks") or ()))
+                seq[g] = seq.get(g, -1) + 1
+                key = (g, seq[g], r["op"])
+                if r.get("end", -1) >= 0:
+                    best[key] = min(best.get(key, math.inf), r["end"] - r["start"])
+            keys.append(key)
+        keyed.append(keys)
+    return [[math.nan if r.get("end", -1) < 0 else best.get(k, r["end"] - r["start"])
+             for r, k in zip(doc["records"], keys)] for doc, keys in zip(docs, keyed)]
+
+
+def arrival_summary(docs: Sequence[dict]) -> dict[str, dict[str, list[float]]]:
+    """Per "op/backend", lists over the documents' ranks (s): ``time_s`` as
+    logged, ``comm_time_s`` arrival-corrected (:func:`arrival_times`) and
+    ``wait_time_s`` = the difference (waiting for later peers: skew)."""
+    out: dict = {}
+    for i, (doc, comm) in enumerate(zip(docs, arrival_times(docs))):
+        for r, c in zip(doc["records"], comm):
+            if r["end"] < 0:
+                continue
+            row = out.setdefault(f"{r['op']}/{r['backend']}",
+                                 {k: [0.0] * len(docs) for k in ("time_s", "comm_time_s", "wait_time_s")})
+            lat = r["end"] - r["start"]
+            row["time_s"][i] += lat
+            row["comm_time_s"][i] += c
+            row["wait_time_s"][i] += lat - c
+    return dict(sorted(out.items()))
+
+
 def stragglers(totals: Sequence[dict]) -> dict[str, list[float]]:
     """Per "op/backend": each rank's total time minus the fastest rank's (s).
 
@@ -252,15 +298,29 @@ def comms_records() -> list[Record]:
     return list(_logger().records)
 
 
+def comms_reset() -> None:
+    """Forget this rank's records so far (e.g. warm-up steps). Call it at the
+    same point of the program on every rank, with no op in flight, so that
+    the ranks' records start at the same collective."""
+    _logger().records.clear()
+
+
 def comms_summary(all_ranks: bool = True) -> dict:
     """This rank's summary, histogram and (``all_ranks``: a collective call on
-    the world) the straggler view: each rank's total time per op/backend minus
-    the fastest rank's."""
+    the world) the views across ranks: stragglers (each rank's total time per
+    op/backend minus the fastest rank's) and the arrival-corrected
+    communication and wait time (:func:`arrival_summary`)."""
     lg = _logger()
     out = {"rank": lg.rank, "summary": lg.summary(), "histogram": lg.histogram()}
     if all_ranks:
-        out["stragglers_s"] = stragglers([d["totals"] for d in _gather({"totals": _totals(lg)})])
+        out.update(_across_ranks([d["doc"] for d in _gather({"doc": lg.to_json()})]))
     return out
+
+
+def _across_ranks(docs: Sequence[dict]) -> dict:
+    arrival = arrival_summary(docs)
+    totals = [{k: v["time_s"][i] for k, v in arrival.items()} for i in range(len(docs))]
+    return {"stragglers_s": stragglers(totals), "arrival": arrival}
 
 
 def print_comms_summary(summary: Optional[dict] = None) -> None:
@@ -289,6 +349,17 @@ def print_comms_summary(summary: Optional[dict] = None) -> None:
         for k, vals in summary["stragglers_s"].items():
             s.add_row(k, *(f"{v * 1e3:.2f}" for v in vals))
         console.print(s)
+    if summary.get("arrival"):
+        a = Table(title="time per rank (ms): logged = communication (arrival-corrected: the "
+                        "last-arriving rank's duration) + waiting for later peers")
+        a.add_column("op/backend")
+        n = len(next(iter(summary["arrival"].values()))["time_s"])
+        for r in range(n):
+            a.add_column(f"rank {r}", justify="right")
+        for k, v in summary["arrival"].items():
+            a.add_row(k, *(f"{t * 1e3:.2f} = {c * 1e3:.2f} + {w * 1e3:.2f}"
+                           for t, c, w in zip(v["time_s"], v["comm_time_s"], v["wait_time_s"])))
+        console.print(a)
 
 
 def export_comms(directory: str) -> dict:
@@ -300,7 +371,7 @@ def export_comms(directory: str) -> dict:
     paths = {"records": os.path.join(directory, f"records_rank{lg.rank}.json")}
     write_json(paths["records"], lg.to_json())
     gathered = _gather({"events": lg.trace_events(), "traffic": lg.traffic_row(),
-                        "totals": _totals(lg)})
+                        "doc": lg.to_json()})
     if lg.rank != 0:
         return paths
     trace = {"traceEvents": [e for d in gathered for e in d["events"]], "displayTimeUnit": "ms"}
@@ -317,16 +388,8 @@ def export_comms(directory: str) -> dict:
     write_matrix_png(matrix, paths["heatmap"])
     paths["summary"] = os.path.join(directory, "summary.json")
     write_json(paths["summary"], {"summary": lg.summary(), "histogram": lg.histogram(),
-                                  "stragglers_s": stragglers([d["totals"] for d in gathered])})
+                                  **_across_ranks([d["doc"] for d in gathered])})
     return paths
-
-
-def _totals(lg: CommsLogger) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for r in lg.completed():
-        key = f"{r.op}/{r.backend}"
-        totals[key] = totals.get(key, 0.0) + r.latency
-    return totals
 
 
 def _gather(doc: dict) -> list[dict]:

@@ -8,6 +8,10 @@ Anything else is ``other`` (not modelled: e.g. loss all-reduces, barriers,
 initial broadcasts). Counts, bytes (the logger's ``nbytes``: the op's lookup
 size, as the model's message bytes) and times are averaged over all ranks and
 set beside the prediction per rank x ``iterations`` (averaged over the same ranks).
+Two measured times: as logged (from each rank's call, so including waits for
+later peers) and arrival-corrected (each collective call timed on the rank
+that arrived last: :func:`mcrdl.features.logger.arrival_times`); the
+prediction, which has no skew, is compared with the corrected one.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ..features.logger import arrival_times
 from ..tuning import OP_CLASS
 from .config import Config
 from .cost import CostModel
@@ -83,7 +88,8 @@ class Row:
     pred_bytes: float
     meas_bytes: float
     pred_s: float
-    meas_s: float
+    meas_s: float  # as logged
+    meas_comm_s: float  # arrival-corrected; meas_s - meas_comm_s is waiting for later peers
     pred_backend: str
     meas_backend: str
 
@@ -119,17 +125,19 @@ def compare(cfg: Config, log: list[dict], cost: Optional[CostModel] = None,
                 if d not in dims:
                     dims.append(d)
     meas: dict = {}
-    for doc in log:
-        for rec in doc["records"]:
+    for doc, comm in zip(log, arrival_times(log)):
+        for rec, comm_s in zip(doc["records"], comm):
             if rec.get("end", -1) < 0:
                 continue
             key = _classify(cfg, {**rec, "_rank": doc["rank"]}, group_dims)
             if key is None:
                 continue
-            cell = meas.setdefault(key, {"count": 0, "bytes": 0.0, "s": 0.0, "backends": set()})
+            cell = meas.setdefault(key, {"count": 0, "bytes": 0.0, "s": 0.0, "comm": 0.0,
+                                         "backends": set()})
             cell["count"] += 1
             cell["bytes"] += rec["nbytes"]
             cell["s"] += rec["end"] - rec["start"]
+            cell["comm"] += comm_s
             cell["backends"].add(rec["backend"])
     # prediction: averaged over the logged ranks (all of them for a full export)
     cost = cost or CostModel.defaults()
@@ -148,9 +156,9 @@ def compare(cfg: Config, log: list[dict], cost: Optional[CostModel] = None,
     rows = []
     for key in sorted(set(pred) | set(meas), key=lambda k: (order.get(k[0], 99), k[1])):
         pc = pred.get(key, {"count": 0.0, "bytes": 0.0, "s": 0.0, "backends": set()})
-        mc = meas.get(key, {"count": 0, "bytes": 0.0, "s": 0.0, "backends": set()})
+        mc = meas.get(key, {"count": 0, "bytes": 0.0, "s": 0.0, "comm": 0.0, "backends": set()})
         rows.append(Row(key[0], key[1], pc["count"], mc["count"] / n, pc["bytes"], mc["bytes"] / n,
-                        pc["s"], mc["s"] / n, "+".join(sorted(pc["backends"])) or "-",
+                        pc["s"], mc["s"] / n, mc["comm"] / n, "+".join(sorted(pc["backends"])) or "-",
                         "+".join(sorted(mc["backends"])) or "-"))
     return rows
 

@@ -3,12 +3,16 @@
 A bench/tune result (``mcrdl-bench/1``, docs/bench.md) gives, per op, backend
 and size n (the op's lookup size), the slowest rank's median time ``max_us``.
 Each (op, backend) is fitted to t(n) = alpha + beta n by non-negative least
-squares. The fit holds at the bench's group size g0; other group sizes scale
-it with the algorithm's step count L(g) and volume factor W(g) (DESIGN
-section 5 cost models): t_g(n) = alpha L(g)/L(g0) + beta n W(g)/W(g0), i.e.
-per-step alpha_s = alpha/L(g0) and per-byte beta_s = beta/W(g0). The
-reduction cost gamma cannot be told apart from beta with one group size; it is
-folded into beta.
+squares. One line misses a library's protocol and algorithm switches by up to
+~50 % (eager vs rendezvous, recursive doubling vs ring), so a time is the fit
+times the measured/fitted ratio at the bench's sizes, interpolated in log n
+(the nearest end's ratio beyond them): the measurements themselves at g0,
+alpha-beta between and past them. The fit holds at the bench's group size
+g0; other group sizes scale it with the algorithm's step count L(g) and
+volume factor W(g) (DESIGN section 5 cost models):
+t_g(n) = alpha L(g)/L(g0) + beta n W(g)/W(g0), i.e. per-step alpha_s =
+alpha/L(g0) and per-byte beta_s = beta/W(g0). The reduction cost gamma cannot
+be told apart from beta with one group size; it is folded into beta.
 
 ========================  =============  ==============
 op (lookup size n)        L(g) steps      W(g) volume
@@ -22,6 +26,7 @@ p2p                       1               1
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -100,7 +105,7 @@ def fit_alpha_beta(sizes: Iterable[float], times: Iterable[float],
 
 @dataclass(frozen=True)
 class Fit:
-    """t(n, g) = alpha_step L(g) + beta_step W(g) n (us, n in bytes)."""
+    """t(n, g) = (alpha_step L(g) + beta_step W(g) n) x correction(n) (us, n in bytes)."""
     op: str
     backend: str
     alpha_step_us: float
@@ -109,11 +114,27 @@ class Fit:
     points: int = 0
     rel_rms: float = 0.0
     source: str = ""
+    curve: tuple = ()  # ((n, measured / fitted time at group_size), ...), ascending n > 0
 
     def time_us(self, nbytes: float, group: int) -> float:
         if group < 2:
             return 0.0
-        return self.alpha_step_us * steps(self.op, group) + self.beta_step_us * volume(self.op, group) * nbytes
+        return (self.alpha_step_us * steps(self.op, group)
+                + self.beta_step_us * volume(self.op, group) * nbytes) * self.correction(nbytes)
+
+    def correction(self, nbytes: float) -> float:
+        """Measured / fitted time at ``nbytes``, interpolated in log n between
+        the measured sizes, the nearest end's beyond them; 1 without points."""
+        c = self.curve
+        if not c:
+            return 1.0
+        if nbytes <= c[0][0]:
+            return c[0][1]
+        if nbytes >= c[-1][0]:
+            return c[-1][1]
+        i = bisect.bisect_right([n for n, _ in c], nbytes)
+        (n0, r0), (n1, r1) = c[i - 1], c[i]
+        return r0 + (r1 - r0) * math.log(nbytes / n0) / math.log(n1 / n0)
 
     @property
     def alpha_us(self) -> float:
@@ -138,12 +159,19 @@ class Fit:
 
 def make_fit(op: str, backend: str, sizes, times, group: int, source: str,
              weighting: str = "relative") -> Fit:
-    """Fit measured (size, us) points taken on ``group`` ranks."""
+    """Fit measured (size, us) points taken on ``group`` ranks, with the
+    measured/fitted ratio per size (repeated sizes: their mean time)."""
+    sizes, times = list(sizes), list(times)
     a, b, rms = fit_alpha_beta(sizes, times, weighting)
     L, W = steps(op, group), volume(op, group)
     if L == 0 or W == 0:
         raise ValueError(f"cannot fit {op} on a group of {group}: needs at least 2 ranks")
-    return Fit(op, backend, a / L, b / W, group, len(list(sizes)), rms, source)
+    at: dict = {}
+    for n, t in zip(sizes, times):
+        at.setdefault(n, []).append(t)
+    curve = tuple((n, sum(ts) / len(ts) / (a + b * n)) for n, ts in sorted(at.items())
+                  if n > 0 and a + b * n > 0)
+    return Fit(op, backend, a / L, b / W, group, len(sizes), rms, source, curve)
 
 
 #: Built-in points (bytes, us) on 2 ranks of one node, used when no bench result is

@@ -97,24 +97,26 @@ def print_report(est: Estimate, cost: CostModel, console=None) -> None:
         console.print("  exposed communication per stage: " +
                       ", ".join(f"{k}: {fmt_time(v)}" for k, v in enumerate(est.stage_comm_s)))
 
-    f = Table(title="alpha-beta per op and backend: t(n, g) = alpha_step L(g) + n W(g) / link "
-                    "(used ones in bold; declared values: used ones only)")
+    f = Table(title="alpha-beta per op and backend: t(n, g) = (alpha_step L(g) + n W(g) / link) x "
+                    "measured/fit at n (used ones in bold; declared values: used ones only)")
     for col in ("op", "backend", "g0", "alpha @g0", "n/(t-alpha) @g0 GB/s", "alpha/step", "link GB/s",
-                "points", "rel rms", "source"):
+                "points", "rel rms", "measured/fit", "source"):
         f.add_column(col, justify="left" if col in ("op", "backend", "source") else "right")
     used = {(c.traffic.op, c.choice.backend) for c in est.calls}
     for (op, backend), fit in sorted(cost.fits.items()):
         if fit.points == 0 and (op, backend) not in used:
             continue
         style = "bold" if (op, backend) in used else None
+        ratios = [r for _, r in fit.curve]
         f.add_row(op, backend, str(fit.group_size), f"{fit.alpha_us:.2f} us",
                   f"{1e-3 / fit.beta_us:.3f}" if fit.beta_us > 0 else "inf",
                   f"{fit.alpha_step_us:.2f} us", f"{fit.bandwidth_gbps:.3f}", str(fit.points),
-                  f"{fit.rel_rms:.2f}", fit.source, style=style)
+                  f"{fit.rel_rms:.2f}", f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
+                  fit.source, style=style)
     for op, backend in sorted(used - set(cost.fits)):
         fit = cost.fit_for(op, backend)
         f.add_row(op, backend, str(fit.group_size), f"{fit.alpha_us:.2f} us", "", f"{fit.alpha_step_us:.2f} us",
-                  f"{fit.bandwidth_gbps:.3f}", "-", "-", fit.source, style="bold")
+                  f"{fit.bandwidth_gbps:.3f}", "-", "-", "-", fit.source, style="bold")
     console.print(f)
 
     b = Table(title="iteration time")
@@ -178,9 +180,11 @@ def print_sweep(results: Sequence[LayoutResult], world: int, console, top: int =
 def print_compare(rows: Sequence[Row], iterations: int, console) -> None:
     from rich.table import Table
 
-    t = Table(title=f"prediction vs logged run (per rank, {iterations} iteration(s); diff = (pred - meas) / meas)")
+    t = Table(title=f"prediction vs logged run (per rank, {iterations} iteration(s); diff = (pred - meas) / meas; "
+                    "time meas = comm (arrival-corrected) + wait (for later peers) = logged)")
     for col in ("dim", "op", "count pred", "count meas", "diff", "bytes pred", "bytes meas", "diff",
-                "time pred", "time meas", "diff", "backend pred", "backend meas"):
+                "time pred", "comm meas", "diff", "wait", "logged", "diff logged", "backend pred",
+                "backend meas"):
         t.add_column(col, justify="left" if col in ("dim", "op") or col.startswith("backend") else "right")
     for r in rows:
         nm = r.pred_count == 0  # not modelled
@@ -188,7 +192,8 @@ def print_compare(rows: Sequence[Row], iterations: int, console) -> None:
         t.add_row(r.dim, r.op, fmt_count(r.pred_count), fmt_count(r.meas_count),
                   pct(r.pred_count, r.meas_count), fmt_bytes(r.pred_bytes),
                   fmt_bytes(r.meas_bytes), pct(r.pred_bytes, r.meas_bytes),
-                  fmt_time(r.pred_s), fmt_time(r.meas_s), pct(r.pred_s, r.meas_s),
+                  fmt_time(r.pred_s), fmt_time(r.meas_comm_s), pct(r.pred_s, r.meas_comm_s),
+                  fmt_time(r.meas_s - r.meas_comm_s), fmt_time(r.meas_s), pct(r.pred_s, r.meas_s),
                   r.pred_backend, r.meas_backend)
     console.print(t)
 
@@ -292,7 +297,8 @@ def to_json(est: Estimate, cost: CostModel, matrix: dict) -> dict:
         "fits": [{"op": f.op, "backend": f.backend, "group_size": f.group_size, "alpha_us": f.alpha_us,
                   "beta_us_per_byte": f.beta_us, "alpha_step_us": f.alpha_step_us,
                   "link_gbps": f.bandwidth_gbps, "points": f.points, "rel_rms": f.rel_rms,
-                  "source": f.source} for f in cost.fits.values()],
+                  "measured_over_fit": [list(p) for p in f.curve], "source": f.source}
+                 for f in cost.fits.values()],
         "critical_stage": est.stage,
         "traffic": [{"dim": c.traffic.dim, "op": c.traffic.op, "what": c.traffic.what,
                      "group_size": c.traffic.group_size, "message_bytes": c.traffic.message_bytes,
@@ -324,7 +330,7 @@ def cli_main(args) -> int:
     if args.table:
         cost.load_table(args.table)
     est = estimate(cfg, cost, args.peak_tflops, args.utilization)
-    console = Console(width=None if os.isatty(1) else 180)
+    console = Console(width=None if os.isatty(1) else 200)
     print_report(est, cost, console)
     matrix = comm_matrix(cfg)
     print_matrix_summary(cfg, matrix, console)
@@ -341,7 +347,8 @@ def cli_main(args) -> int:
         print_compare(rows, args.log_iterations, console)
         doc["compare"] = [{**r.__dict__, "diff_count_pct": Row.diff(r.pred_count, r.meas_count),
                            "diff_bytes_pct": Row.diff(r.pred_bytes, r.meas_bytes),
-                           "diff_time_pct": Row.diff(r.pred_s, r.meas_s)} for r in rows]
+                           "diff_time_pct": Row.diff(r.pred_s, r.meas_comm_s),
+                           "diff_logged_time_pct": Row.diff(r.pred_s, r.meas_s)} for r in rows]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         paths = [write_matrix_png(cfg, matrix, os.path.join(args.out, "matrix.png")),
