@@ -26,13 +26,13 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from . import api
-from .tuning import SELECT_OPS
+from .tuning import SELECT_OPS, is_int, is_number, key_path, read_json, shown
 
 FORMAT = "mcrdl-bench/1"
 #: Ops the bench knows (selection classes without barrier).
@@ -372,11 +372,65 @@ def write_csv(path: str, results: Sequence[Result]) -> None:
 
 
 def load_json(path: str) -> tuple[list[Result], dict]:
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+    """Read and validate a ``mcrdl-bench/1`` file (see :func:`from_doc`)."""
+    return from_doc(read_json(path, "bench result"), str(path))
+
+
+#: Result field -> (check, what it expects).
+_FIELD_CHECKS = {
+    "op": (lambda v: v in BENCH_OPS, f"one of {', '.join(BENCH_OPS)}"),
+    "bytes": (is_int, "a byte count (integer >= 0)"),
+    "variant": (lambda v: isinstance(v, str) and v != "", "a variant name"),
+    "backend": (lambda v: isinstance(v, str), "a backend name"),
+    "iters": (lambda v: is_int(v, 1), "an integer >= 1"),
+    "rounds": (lambda v: is_int(v, 1), "an integer >= 1"),
+    "round_max_us": (lambda v: isinstance(v, list) and all(is_number(t, 0) for t in v),
+                     "a list of finite numbers >= 0"),
+    "check": (lambda v: v in ("ok", "FAIL", "skipped"), "'ok', 'FAIL' or 'skipped'"),
+}
+_RESULT_FIELDS = {f.name: f for f in fields(Result)}
+
+
+def from_doc(doc: Any, source: str = "<bench>") -> tuple[list[Result], dict]:
+    """Validate a parsed ``mcrdl-bench/1`` document: (results, metadata).
+    Metadata is free-form except ``world_size`` and ``hosts``. Errors are
+    ValueErrors naming the source and the key, e.g. ``results[3].max_us``."""
+    def fail(key: str, msg: str):
+        raise ValueError(f"{source}: {key_path(key)}: {msg}")
+
+    if not isinstance(doc, dict):
+        fail("(top level)", f"expected a JSON object, got {type(doc).__name__}")
     if doc.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an mcrdl bench result (format {doc.get('format')!r})")
-    return [Result(**r) for r in doc["results"]], doc.get("metadata", {})
+        fail("format", f"not an mcrdl bench result: expected {FORMAT!r}, got {shown(doc.get('format'))}")
+    for key in sorted(set(doc) - {"format", "metadata", "results"}, key=str)[:1]:
+        fail(key, "unknown key (expected format, metadata, results)")
+    meta = doc.get("metadata", {})
+    if not isinstance(meta, dict):
+        fail("metadata", f"expected an object, got {type(meta).__name__}")
+    if "world_size" in meta and not is_int(meta["world_size"], 1):
+        fail("metadata.world_size", f"expected an integer >= 1, got {shown(meta['world_size'])}")
+    hosts = meta.get("hosts", [])
+    if not (isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)):
+        fail("metadata.hosts", f"expected a list of host names, got {shown(hosts)}")
+    if not isinstance(doc.get("results"), list):
+        fail("results", f"expected a list of results, got {shown(doc.get('results'))}")
+    results = []
+    for i, r in enumerate(doc["results"]):
+        at = f"results[{i}]"
+        if not isinstance(r, dict):
+            fail(at, f"expected an object, got {type(r).__name__}")
+        for key in sorted(set(r) - set(_RESULT_FIELDS), key=str)[:1]:
+            fail(f"{at}.{key}", f"unknown key (expected {', '.join(_RESULT_FIELDS)})")
+        for key, f in _RESULT_FIELDS.items():
+            if key not in r:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    fail(f"{at}.{key}", "required")
+                continue
+            check, expected = _FIELD_CHECKS.get(key, (lambda v: is_number(v, 0), "a finite number >= 0"))
+            if not check(r[key]):
+                fail(f"{at}.{key}", f"expected {expected}, got {shown(r[key])}")
+        results.append(Result(**r))
+    return results, meta
 
 
 def print_tables(results: Sequence[Result], console=None) -> None:

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import sys
 from typing import Optional, Sequence
+
+from .tuning import MAX_INT, shown
 
 
 def _cmd_run(args) -> int:
@@ -91,7 +95,7 @@ def _sweep_settings(args, quick_sizes, default_max):
     from .bench import default_sizes
 
     if args.sizes:
-        sizes = [_size(s) for s in args.sizes.split(",")]
+        sizes = args.sizes
     elif args.quick:
         sizes = quick_sizes
     else:
@@ -249,11 +253,42 @@ def _parse_map(spec: Optional[str]):
     return parse_op_backends(spec) if spec else None
 
 
-def _size(text: str) -> int:
+def _size(text: str, minimum: int = 0) -> int:
+    """argparse type: bytes from "4", "64K", "1.5M", "1G" (binary units, an
+    optional "B"); anything else, or not a whole number of bytes, is refused."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().rstrip("b")
+    t = text.strip().lower().removesuffix("b")
     mult = units.get(t[-1:], 1)
-    return int(float(t[:-1] if t[-1:] in units else t) * mult)
+    num = t[:-1] if t[-1:] in units else t
+    try:
+        value = int(num) * mult
+    except ValueError:
+        try:
+            value = float(num) * mult
+        except ValueError:
+            value = math.nan
+    if not (minimum <= value <= MAX_INT and value == int(value)):
+        raise argparse.ArgumentTypeError(f"invalid size {shown(text)}: expected a whole number of bytes "
+                                         f">= {minimum}, such as 4, 64K, 1.5M or 1G")
+    return int(value)
+
+
+def _sizes(text: str) -> list[int]:
+    """argparse type: comma-separated sizes (see :func:`_size`)."""
+    return [_size(s) for s in text.split(",")]
+
+
+def _count(minimum: int):
+    """argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {shown(text)}")
+        return value
+    return parse
 
 
 def parser() -> argparse.ArgumentParser:
@@ -278,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="which backend would run an op, and why")
     e.add_argument("op")
     e.add_argument("nbytes", type=_size, help="message size for lookup, e.g. 4, 64K, 4M")
-    e.add_argument("--group-size", type=int, help="group size (default: this job's world)")
+    e.add_argument("--group-size", type=_count(1), help="group size (default: this job's world)")
     e.add_argument("--table", help="tuning table file")
     e.add_argument("--op-backends", help="static map, e.g. all_to_all:mpi,all_reduce:gloo")
     e.add_argument("--default", help="default backend")
@@ -288,15 +323,16 @@ def parser() -> argparse.ArgumentParser:
     for name, fn, helptext in (("bench", _cmd_bench, "OSU-style micro-benchmarks of every op and backend"),
                                ("tune", _cmd_tune, "measure every backend and write a tuning table")):
         c = sub.add_parser(name, help=helptext)
-        c.add_argument("-n", "--nprocs", type=int, help="launch this many local ranks (outside a job)")
+        c.add_argument("-n", "--nprocs", type=_count(1), help="launch this many local ranks (outside a job)")
         c.add_argument("--ops", help="comma-separated ops (default: all)")
-        c.add_argument("--sizes", help="comma-separated sizes, e.g. 4,64K,1M")
-        c.add_argument("--max-bytes", type=_size, help="largest size of the default doubling range")
-        c.add_argument("--step", type=int, default=1, help="keep every STEP-th size of the doubling range")
-        c.add_argument("--iters", type=int, help="timed iterations below 8 KB")
-        c.add_argument("--large-iters", type=int, help="timed iterations from 8 KB")
-        c.add_argument("--warmup", type=int, default=3)
-        c.add_argument("--rounds", type=int, help="interleaved rounds (median taken)")
+        c.add_argument("--sizes", type=_sizes, help="comma-separated sizes, e.g. 4,64K,1M")
+        c.add_argument("--max-bytes", type=functools.partial(_size, minimum=4),
+                       help="largest size of the default doubling range (from 4 B)")
+        c.add_argument("--step", type=_count(1), default=1, help="keep every STEP-th size of the doubling range")
+        c.add_argument("--iters", type=_count(1), help="timed iterations below 8 KB")
+        c.add_argument("--large-iters", type=_count(1), help="timed iterations from 8 KB")
+        c.add_argument("--warmup", type=_count(0), default=3)
+        c.add_argument("--rounds", type=_count(1), help="interleaved rounds (median taken)")
         c.add_argument("--quick", action="store_true", help="few sizes and iterations (demo, tests)")
         c.add_argument("--plot", metavar="DIR", help="write one PNG per op into DIR")
         c.add_argument("--timeout", type=float, default=300, help="per-op timeout (s)")

@@ -23,11 +23,16 @@ listed one when all are larger.
 from __future__ import annotations
 
 import bisect
+import builtins
 import json
+import reprlib
+import sys
 import warnings
 from typing import Any, Iterable, Optional
 
 FORMAT = "mcrdl-tuning/1"
+#: Largest integer (byte count, size) a file may give: sizes are int64 on the wire.
+MAX_INT = 2 ** 63 - 1
 
 #: Selection classes: every API op is selected as one of these.
 SELECT_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather",
@@ -44,6 +49,65 @@ _RULE_KEYS = {"max_bytes", "backend", "margin", "note"}
 
 class TuningTableError(ValueError):
     """A tuning table is malformed; the message names the file and key at fault."""
+
+
+# -- reading the files users give (tuning tables, model descriptions, bench results, logs) --
+def read_text(path, what: str, error: type = ValueError) -> str:
+    """A UTF-8 text file; ``error`` naming the file when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{path}: byte {exc.start}: not UTF-8 text") from None
+
+
+def read_json(path, what: str, error: type = ValueError) -> Any:
+    """A JSON file, parsed (no validation); ``error`` naming the file (and the
+    line and column of malformed JSON) for any problem."""
+    text = read_text(path, what, error)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+    except RecursionError:
+        raise error(f"{path}: JSON nested too deeply") from None
+    except ValueError:  # the only other: an integer beyond Python's digit limit
+        raise error(f"{path}: a JSON number has more than {sys.get_int_max_str_digits()} digits") from None
+
+
+class _Repr(reprlib.Repr):
+    """reprlib that does not turn a huge int into digits (Python refuses past 4300)."""
+
+    def repr_int(self, x, level):
+        return builtins.repr(x) if x.bit_length() <= 128 else f"<integer of {x.bit_length()} bits>"
+
+
+_repr = _Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 3, 40, 40
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for error messages about a file's values."""
+    text = _repr.repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def key_path(path: str) -> str:
+    """A key path for an error message, cut to 80 characters (keys are the file's)."""
+    return path if len(path) <= 80 else path[:77] + "..."
+
+
+def is_int(value: Any, low: int = 0) -> bool:
+    """An integer (not a boolean) from ``low`` to :data:`MAX_INT`."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= MAX_INT
+
+
+def is_number(value: Any, low: Optional[float] = None) -> bool:
+    """A finite number (not a boolean; a float holds it), at least ``low``."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and abs(value) <= sys.float_info.max and (low is None or value >= low))
 
 
 class TuningTable:
@@ -66,18 +130,7 @@ class TuningTable:
     @classmethod
     def load(cls, path: str, known: Iterable[str], live: Optional[Iterable[str]] = None) -> "TuningTable":
         """Read and validate a table file (see :meth:`from_dict`)."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise TuningTableError(f"{path}: cannot read tuning table: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise TuningTableError(f"{path}: byte {exc.start}: not UTF-8 text") from None
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TuningTableError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
-        return cls.from_dict(doc, known, live, source=path)
+        return cls.from_dict(read_json(path, "tuning table", TuningTableError), known, live, source=path)
 
     @classmethod
     def from_dict(cls, doc: Any, known: Iterable[str], live: Optional[Iterable[str]] = None,
@@ -89,15 +142,15 @@ class TuningTable:
         live = known if live is None else set(live)
 
         def fail(key: str, msg: str):
-            raise TuningTableError(f"{source}: {key}: {msg}")
+            raise TuningTableError(f"{source}: {key_path(key)}: {msg}")
 
         if not isinstance(doc, dict):
             fail("(top level)", f"expected a JSON object, got {type(doc).__name__}")
         extra = set(doc) - {"format", "metadata", "rules"}
         if extra:
-            fail(sorted(extra)[0], "unknown key (expected format, metadata, rules)")
+            fail(sorted(extra, key=str)[0], "unknown key (expected format, metadata, rules)")
         if doc.get("format") != FORMAT:
-            fail("format", f"expected {FORMAT!r}, got {doc.get('format')!r}")
+            fail("format", f"expected {FORMAT!r}, got {shown(doc.get('format'))}")
         metadata = doc.get("metadata", {})
         if not isinstance(metadata, dict):
             fail("metadata", "expected an object")
@@ -114,10 +167,12 @@ class TuningTable:
             rules[op] = {}
             for gkey, rs in by_size.items():
                 where = f"rules.{op}.{gkey}"
-                if not (isinstance(gkey, str) and gkey.isascii() and gkey.isdigit() and int(gkey) > 0):
-                    fail(where, "group size must be a positive integer")
-                if int(gkey) in rules[op]:
-                    fail(where, f"group size {int(gkey)} is listed twice")
+                g = (int(gkey) if isinstance(gkey, str) and gkey.isascii() and gkey.isdigit()
+                     and len(gkey) < 20 else 0)
+                if not 0 < g <= MAX_INT:
+                    fail(where, 'group size must be a positive integer written as a string, e.g. "8"')
+                if g in rules[op]:
+                    fail(where, f"group size {g} is listed twice")
                 if not isinstance(rs, list) or not rs:
                     fail(where, "expected a non-empty list of rules")
                 out, prev = [], -1
@@ -127,25 +182,28 @@ class TuningTable:
                         fail(at, "expected an object with max_bytes and backend")
                     unknown = set(rule) - _RULE_KEYS
                     if unknown:
-                        fail(f"{at}.{sorted(unknown)[0]}", f"unknown key (expected {', '.join(sorted(_RULE_KEYS))})")
+                        fail(f"{at}.{sorted(unknown, key=str)[0]}",
+                             f"unknown key (expected {', '.join(sorted(_RULE_KEYS))})")
                     if "max_bytes" not in rule or "backend" not in rule:
                         fail(at, "needs both max_bytes and backend")
                     mb, be = rule["max_bytes"], rule["backend"]
                     if mb is None:
                         if i != len(rs) - 1:
                             fail(f"{at}.max_bytes", "null (no upper bound) is only allowed on the last rule")
-                    elif isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
-                        fail(f"{at}.max_bytes", f"expected a non-negative integer or null, got {mb!r}")
+                    elif not is_int(mb):
+                        fail(f"{at}.max_bytes", "expected a non-negative integer or null "
+                                                f"(at most {MAX_INT}), got {shown(mb)}")
                     elif mb <= prev:
                         fail(f"{at}.max_bytes", f"{mb} is not above the previous rule's {prev}: "
                                                 "ranges must be ordered and must not overlap")
                     else:
                         prev = mb
                     if not isinstance(be, str) or be not in known:
-                        fail(f"{at}.backend", f"unknown backend {be!r} (known: {', '.join(sorted(known))})")
-                    if "margin" in rule and (isinstance(rule["margin"], bool)
-                                             or not isinstance(rule["margin"], (int, float))):
-                        fail(f"{at}.margin", "expected a number")
+                        fail(f"{at}.backend", f"unknown backend {shown(be)} (known: {', '.join(sorted(known))})")
+                    if "margin" in rule and not is_number(rule["margin"]):
+                        fail(f"{at}.margin", f"expected a finite number, got {shown(rule['margin'])}")
+                    if "note" in rule and not isinstance(rule["note"], str):
+                        fail(f"{at}.note", f"expected a string, got {shown(rule['note'])}")
                     if be not in live:
                         absent.add(be)
                     out.append({**rule, "backend": be if be in live else None})

@@ -16,13 +16,12 @@ prediction, which has no skew, is compared with the corrected one.
 from __future__ import annotations
 
 import glob
-import json
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Optional
 
-from ..features.logger import arrival_times
-from ..tuning import OP_CLASS
+from ..features.logger import Record, arrival_times
+from ..tuning import OP_CLASS, is_int, is_number, key_path, read_json, shown
 from .config import Config
 from .cost import CostModel
 from .traffic import DIMS, all_stage_traffic, coords, group_of
@@ -30,7 +29,7 @@ from .traffic import DIMS, all_stage_traffic, coords, group_of
 
 def load_log(path: str) -> list[dict]:
     """Per-rank logger documents from a directory of ``records_rank{r}.json``
-    or one such file."""
+    or one such file, each validated; one rank in two files is an error."""
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "records_rank*.json")),
                        key=lambda p: int(''.join(ch for ch in os.path.basename(p) if ch.isdigit()) or 0))
@@ -40,17 +39,70 @@ def load_log(path: str) -> list[dict]:
         files = [path]
     else:
         raise ValueError(f"{path}: no such file or directory")
-    docs = []
+    docs, seen = [], {}
     for f in files:
-        try:
-            with open(f, encoding="utf-8") as fh:
-                doc = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{f}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("records"), list) or "rank" not in doc:
-            raise ValueError(f"{f}: not a logger records file (expected rank, world_size, records)")
+        doc = read_json(f, "logger records")
+        _check_log(doc, f)
+        if doc["rank"] in seen:
+            raise ValueError(f"{f}: rank: rank {doc['rank']} is also in {seen[doc['rank']]}")
+        seen[doc["rank"]] = f
         docs.append(doc)
     return docs
+
+
+_LOG_KEYS = ("rank", "world_size", "wall_start", "records")
+_RECORD_REQUIRED = {f.name for f in fields(Record) if f.default is MISSING and f.default_factory is MISSING}
+
+
+def _check_log(doc: Any, source: str) -> None:
+    """Validate one ``records_rank{r}.json`` (``CommsLogger.to_json``); a
+    ValueError names the file and the key, e.g. ``records[3].nbytes``."""
+    def fail(key: str, msg: str):
+        raise ValueError(f"{source}: {key_path(key)}: {msg}")
+
+    if not isinstance(doc, dict):
+        fail("(top level)", f"expected a logger records object, got {type(doc).__name__}")
+    for key in sorted(set(doc) - set(_LOG_KEYS), key=str)[:1]:
+        fail(key, f"unknown key (expected {', '.join(_LOG_KEYS)})")
+    for key in ("rank", "world_size", "records"):
+        if key not in doc:
+            fail(key, "required (not a logger records file?)")
+    world = doc["world_size"]
+    if not is_int(world, 1):
+        fail("world_size", f"expected an integer >= 1, got {shown(world)}")
+    if not (is_int(doc["rank"]) and doc["rank"] < world):
+        fail("rank", f"expected an integer from 0 to {world - 1}, got {shown(doc['rank'])}")
+    if not is_number(doc.get("wall_start", 0)):
+        fail("wall_start", f"expected a finite number, got {shown(doc['wall_start'])}")
+    if not isinstance(doc["records"], list):
+        fail("records", f"expected a list, got {type(doc['records']).__name__}")
+    checks = {  # Record field -> (check, what it expects)
+        "seq": (is_int, "an integer >= 0"),
+        "op": (lambda v: isinstance(v, str), "an op name"),
+        "backend": (lambda v: isinstance(v, str), "a backend name"),
+        "group": (lambda v: isinstance(v, str), "a group name"),
+        "ranks": (lambda v: isinstance(v, list) and all(is_int(r) and r < world for r in v),
+                  f"a list of ranks below world_size {world}"),
+        "nbytes": (is_int, "a byte count (integer >= 0)"),
+        "async_op": (lambda v: isinstance(v, bool), "true or false"),
+        "start": (is_number, "a finite number"),
+        "end": (is_number, "a finite number"),
+        "root": (lambda v: is_int(v, -1), "an integer >= -1"),
+        "counts": (lambda v: v is None or (isinstance(v, list) and all(is_int(c) for c in v)),
+                   "null or a list of byte counts"),
+    }
+    for i, rec in enumerate(doc["records"]):
+        at = f"records[{i}]"
+        if not isinstance(rec, dict):
+            fail(at, f"expected an object, got {type(rec).__name__}")
+        for key in sorted(set(rec) - set(checks), key=str)[:1]:
+            fail(f"{at}.{key}", f"unknown key (expected {', '.join(checks)})")
+        for key, (check, expected) in checks.items():
+            if key not in rec:
+                if key in _RECORD_REQUIRED:
+                    fail(f"{at}.{key}", "required")
+            elif not check(rec[key]):
+                fail(f"{at}.{key}", f"expected {expected}, got {shown(rec[key])}")
 
 
 def _classify(cfg: Config, rec: dict, group_dims: dict) -> Optional[tuple[str, str]]:

@@ -20,11 +20,12 @@ Document layout (docs/model.md is the reference)::
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
+
+from ..tuning import MAX_INT, is_number, key_path, read_json, read_text, shown
 
 #: Order of the parallel dimensions in the rank numbering, fastest first (Megatron).
 DEFAULT_ORDER = ("tensor", "data", "pipeline")
@@ -162,26 +163,18 @@ class Config:
 # -- loading ----------------------------------------------------------------------------
 def load_config(path: str) -> Config:
     """Read and validate a JSON (or, with PyYAML installed, YAML) description."""
+    if not path.lower().endswith((".yaml", ".yml")):
+        return config_from_dict(read_json(path, "model description", ModelConfigError), source=path)
+    text = read_text(path, "model description", ModelConfigError)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ModelConfigError(f"{path}: cannot read model description: {exc.strerror}") from None
-    if path.lower().endswith((".yaml", ".yml")):
-        try:
-            import yaml
-        except ImportError:
-            raise ModelConfigError(f"{path}: YAML needs PyYAML, which is not installed "
-                                   "(pip install pyyaml), or write the description as JSON") from None
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ModelConfigError(f"{path}: malformed YAML: {exc}") from None
-    else:
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ModelConfigError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+        import yaml
+    except ImportError:
+        raise ModelConfigError(f"{path}: YAML needs PyYAML, which is not installed "
+                               "(pip install pyyaml), or write the description as JSON") from None
+    try:
+        doc = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise ModelConfigError(f"{path}: malformed YAML: {exc}") from None
     return config_from_dict(doc, source=path)
 
 
@@ -200,7 +193,7 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
     """Validate a parsed description and build a :class:`Config`."""
 
     def fail(key: str, msg: str):
-        raise ModelConfigError(f"{source}: {key}: {msg}")
+        raise ModelConfigError(f"{source}: {key_path(key)}: {msg}")
 
     def obj(d: Any, key: str, allowed: set, required: bool = True) -> dict:
         if d is None:
@@ -209,7 +202,7 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
             return {}
         if not isinstance(d, dict):
             fail(key, f"expected an object, got {type(d).__name__}")
-        extra = sorted(set(d) - allowed)
+        extra = sorted(set(d) - allowed, key=str)
         if extra:
             where = f"{key}.{extra[0]}" if key != "(top level)" else extra[0]
             fail(where, f"unknown key (expected one of {', '.join(sorted(allowed))})")
@@ -223,9 +216,10 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
             return default
         v = d[key]
         if isinstance(v, bool) or not isinstance(v, int):
-            fail(f"{where}.{key}", f"expected an integer, got {v!r}")
-        if v < minimum:
-            fail(f"{where}.{key}", f"must be >= {minimum}, got {v}")
+            fail(f"{where}.{key}", f"expected an integer, got {shown(v)}")
+        if not minimum <= v <= MAX_INT:
+            fail(f"{where}.{key}", f"must be >= {minimum}, got {shown(v)}" if v < minimum
+                 else f"must be <= {MAX_INT}, got {shown(v)}")
         return v
 
     def number(d: dict, key: str, where: str, default: Any, low: float, high: float = math.inf,
@@ -233,8 +227,8 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
         if key not in d or (d[key] is None and allow_none):
             return default
         v = d[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            fail(f"{where}.{key}", f"expected a number, got {v!r}")
+        if not is_number(v):
+            fail(f"{where}.{key}", f"expected a finite number, got {shown(v)}")
         if (v <= low if low_open else v < low) or v > high:
             rng = f"{'(' if low_open else '['}{low}, {high}]"
             fail(f"{where}.{key}", f"must be in {rng}, got {v}")
@@ -244,13 +238,15 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
         if key not in d:
             return default
         if not isinstance(d[key], bool):
-            fail(f"{where}.{key}", f"expected true or false, got {d[key]!r}")
+            fail(f"{where}.{key}", f"expected true or false, got {shown(d[key])}")
         return d[key]
 
     top = obj(doc, "(top level)", _TOP)
     name = top.get("name", os.path.splitext(os.path.basename(source))[0] if source != "<config>" else "model")
     if not isinstance(name, str):
-        fail("name", "expected a string")
+        fail("name", f"expected a string, got {shown(name)}")
+    if not isinstance(top.get("comment", ""), str):
+        fail("comment", f"expected a string, got {shown(top['comment'])}")
     m = obj(top.get("model"), "model", _MODEL)
     moe = None
     if m.get("moe") is not None:
@@ -259,7 +255,7 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
               else number(e, "capacity_factor", "model.moe", 1.0, 0.0))
         dispatch = e.get("dispatch", "uniform")
         if dispatch not in DISPATCH_MODES:
-            fail("model.moe.dispatch", f"expected one of {', '.join(DISPATCH_MODES)}, got {dispatch!r}")
+            fail("model.moe.dispatch", f"expected one of {', '.join(DISPATCH_MODES)}, got {shown(dispatch)}")
         if dispatch == "padded" and cf is None:
             fail("model.moe.dispatch", "padded dispatch needs a capacity_factor")
         moe = MoESpec(experts=pos_int(e, "experts", "model.moe"),
@@ -283,8 +279,9 @@ def config_from_dict(doc: Any, source: str = "<config>") -> Config:
 
     par = obj(top.get("parallel", {}), "parallel", _PARALLEL)
     order = par.get("order", list(DEFAULT_ORDER))
-    if (not isinstance(order, (list, tuple)) or sorted(order) != sorted(DEFAULT_ORDER)):
-        fail("parallel.order", f"expected a permutation of {list(DEFAULT_ORDER)}, got {order!r}")
+    if (not isinstance(order, (list, tuple)) or not all(isinstance(o, str) for o in order)
+            or sorted(order) != sorted(DEFAULT_ORDER)):
+        fail("parallel.order", f"expected a permutation of {list(DEFAULT_ORDER)}, got {shown(order)}")
     zero = pos_int(par, "zero", "parallel", 0, minimum=0)
     if zero > 3:
         fail("parallel.zero", f"ZeRO stage must be 0, 1, 2 or 3, got {zero}")
@@ -344,7 +341,7 @@ def validate(cfg: Config) -> None:
     p, t, d, e = lay.pipeline, lay.tensor, lay.data, lay.expert
     for key, v in (("pipeline", p), ("tensor", t), ("data", d), ("expert", e)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            fail(f"parallel.{key}", f"must be a positive integer, got {v!r}")
+            fail(f"parallel.{key}", f"must be a positive integer, got {shown(v)}")
     if p * t * d != cfg.cluster.world_size:
         fail("parallel", f"pipeline x tensor x data = {p} x {t} x {d} = {p * t * d} does not "
                          f"equal cluster.world_size {cfg.cluster.world_size}")

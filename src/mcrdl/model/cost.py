@@ -27,8 +27,8 @@ p2p                       1               1
 from __future__ import annotations
 
 import bisect
-import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -220,50 +220,48 @@ class CostModel:
     def from_bench(cls, doc_or_path, weighting: str = "relative") -> "CostModel":
         """Fit every forced-backend variant of a ``mcrdl-bench/1`` result
         (``mcrdl bench --json`` or ``mcrdl tune --results``)."""
-        path = doc_or_path if isinstance(doc_or_path, str) else "<bench>"
-        if isinstance(doc_or_path, str):
-            try:
-                with open(doc_or_path, encoding="utf-8") as f:
-                    doc = json.load(f)
-            except OSError as exc:
-                raise ValueError(f"{path}: cannot read bench result: {exc.strerror}") from None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg}") from None
+        from ..bench import from_doc, load_json
+        from ..tuning import shown
+
+        if isinstance(doc_or_path, (str, os.PathLike)):
+            path = os.fspath(doc_or_path)
+            results, meta = load_json(path)
         else:
-            doc = doc_or_path
-        if not isinstance(doc, dict) or doc.get("format") != "mcrdl-bench/1":
-            got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-            raise ValueError(f"{path}: not an mcrdl bench result (format {got!r}, expected 'mcrdl-bench/1')")
-        meta = doc.get("metadata") or {}
+            path = "<bench>"
+            results, meta = from_doc(doc_or_path, path)
         group = meta.get("world_size")
-        if not isinstance(group, int) or group < 2:
-            raise ValueError(f"{path}: metadata.world_size must be the bench's group size (>= 2), got {group!r}")
+        if group is None or group < 2:
+            raise ValueError(f"{path}: metadata.world_size: must be the bench's group size (>= 2), "
+                             f"got {shown(group)}")
         points: dict = {}
         skipped = 0
-        for i, r in enumerate(doc.get("results") or []):
-            try:
-                op, variant, n, t = r["op"], r["variant"], r["bytes"], r["max_us"]
-            except (KeyError, TypeError):
-                raise ValueError(f"{path}: results[{i}]: needs op, variant, bytes, max_us") from None
-            if variant == "mcrdl" or variant.startswith("raw-") or r.get("check") == "FAIL":
+        for r in results:
+            if r.variant == "mcrdl" or r.variant.startswith("raw-") or r.check == "FAIL":
                 continue
-            if not (isinstance(n, (int, float)) and isinstance(t, (int, float)) and t > 0 and n >= 0):
+            if r.max_us == 0:
                 skipped += 1
                 continue
-            points.setdefault((op, variant), []).append((n, t))
+            points.setdefault((r.op, r.variant), []).append((r.bytes, r.max_us))
         fits, notes = {}, []
         for (op, backend), pts in sorted(points.items()):
-            if op not in MODEL_OPS:
-                continue
             if len({p[0] for p in pts}) < 2:
                 notes.append(f"{op}/{backend}: one size only, not fitted")
                 continue
-            fits[(op, backend)] = make_fit(op, backend, [p[0] for p in pts], [p[1] for p in pts],
-                                           group, f"fit of {path}", weighting)
+            sizes, times = [p[0] for p in pts], [p[1] for p in pts]
+            try:
+                fit = make_fit(op, backend, sizes, times, group, f"fit of {path}", weighting)
+                finite = all(math.isfinite(v) for v in (fit.alpha_step_us, fit.beta_step_us, fit.rel_rms,
+                                                         *(fit.time_us(n, group) for n in sizes)))
+            except (OverflowError, ZeroDivisionError):  # the float arithmetic of a fit
+                finite = False
+            if not finite:
+                raise ValueError(f"{path}: results: {op} on {backend}: times from {min(times):g} to "
+                                 f"{max(times):g} us are beyond what a fit can use")
+            fits[(op, backend)] = fit
         if not fits:
             raise ValueError(f"{path}: no forced-backend results with two or more sizes to fit")
         if skipped:
-            notes.append(f"{skipped} results without a usable size/time skipped")
+            notes.append(f"{skipped} results with a time of 0 skipped")
         hosts = meta.get("hosts")
         src = f"fitted from {path} ({group} ranks" + (f" on {', '.join(hosts)}" if hosts else "") + ")"
         return cls(fits, source=src, notes=notes)
@@ -278,20 +276,20 @@ class CostModel:
                                                    2, 0, 0.0, "declared in the config (alpha_beta)")
 
     def load_table(self, path: str) -> None:
-        """Use a tuning table for the choice (``TuningTable.lookup``)."""
-        from ..tuning import TuningTable
+        """Use a tuning table for the choice (``TuningTable.lookup``); the
+        backends it names count as known."""
+        from ..tuning import TuningTable, TuningTableError, read_json
 
+        doc = read_json(path, "tuning table", TuningTableError)
         names = {b for _, b in self.fits} | {"mpi", "nccl", "gloo"}
         try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
-            for by_size in (doc.get("rules") or {}).values():
-                for rules in (by_size or {}).values():
-                    names |= {r.get("backend") for r in rules if isinstance(r, dict)
+            for by_size in doc["rules"].values():
+                for rules in by_size.values():
+                    names |= {r["backend"] for r in rules if isinstance(r, dict)
                               and isinstance(r.get("backend"), str)}
-        except (OSError, ValueError, AttributeError, TypeError):
-            pass  # TuningTable.load reports it with the path
-        self.table = TuningTable.load(path, known=names)
+        except (KeyError, AttributeError, TypeError):
+            pass  # from_dict reports it with the path
+        self.table = TuningTable.from_dict(doc, known=names, source=path)
 
     # -- queries ---------------------------------------------------------------------------
     @property
