@@ -55,6 +55,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 import mcrdl
+from mcrdl.backends import REGISTRY
+from mcrdl.tuning import TuningTable
 
 FORMAT = "mcrdl-workload/1"
 
@@ -337,14 +339,20 @@ def init_kwargs(kind: str, backend: Optional[str], ops: Sequence[str], table: Op
     return {}
 
 
-def _share_json(path: str) -> dict:
-    """Read a JSON file on rank 0 and give it to every rank (a file written by
-    rank 0 need not be visible on other hosts). Collective."""
-    data = b""
+def _share_table(path: str) -> dict:
+    """Rank 0 reads and validates a tuning table; every rank gets it, or the
+    same error (a file written by rank 0 need not be visible on other hosts).
+    Collective."""
+    reply: dict = {}
     if mcrdl.get_rank() == 0:
-        with open(path, encoding="utf-8") as f:
-            data = f.read().encode()
-    return json.loads(_bcast_bytes(data).decode())
+        try:
+            reply = {"table": TuningTable.load(path, REGISTRY).to_dict()}
+        except (OSError, ValueError) as exc:
+            reply = {"error": str(exc)}
+    reply = json.loads(_bcast_bytes(json.dumps(reply).encode()).decode())
+    if "error" in reply:
+        raise ValueError(f"--table {path}: {reply['error']}")
+    return reply["table"]
 
 
 def _bcast_bytes(data: bytes) -> bytes:
@@ -645,7 +653,7 @@ def _main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
     mcrdl.init_process_group()
     try:
         world = mcrdl.get_world_size()
-        table = _share_json(path) if path else None
+        table = _share_table(path) if path else None
     finally:
         mcrdl.destroy_process_group()
     runs = []
