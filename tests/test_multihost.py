@@ -23,6 +23,15 @@ def test_store_binds_loopback_on_one_host():
     assert "listens on ['127.0.0.1']" in out and out.count("OK store") == 2, out[-3000:]
 
 
+def test_store_failure_on_rank_0_reaches_every_rank():
+    """MCRDL_MASTER_ADDR that is not rank 0's address: every rank fails at init
+    with the reason (none is left waiting for the store)."""
+    out = run_job(2, "store_job.py", "-", timeout=60, env={"MCRDL_MASTER_ADDR": "203.0.113.7"},
+                  expect_rc=None)
+    assert out.count("rank 0 could not start the rendezvous store") >= 2, out[-3000:]
+    assert "cannot listen on '203.0.113.7'" in out and "OK store" not in out
+
+
 def _job(cluster, program, timeout=240, **kw):
     result = cluster.run(program, timeout=timeout, **kw)
     assert result.returncode == 0, f"{program} exited {result.returncode}:\n{result.output[-6000:]}"
@@ -56,6 +65,26 @@ def test_jobs_across_namespace_hosts(n, tmp_path):
         assert doc["metadata"]["hosts"] == cluster.hosts  # each rank saw its own hostname
         assert {x["check"] for x in doc["results"]} == {"ok"}, r.output[-3000:]
         _moved(r, 10 << 20)  # 1 MiB messages x iterations x variants
+    assert netns.leftovers() == []
+
+
+@needs_netns
+def test_store_address_rules_across_hosts():
+    """Which address rank 0's store binds on a multi-host job: MCRDL_MASTER_ADDR
+    (a second address of host 0 here), else GLOO_SOCKET_IFNAME's interface (the
+    other tests), else the hostname's address; a wrong one fails on every rank."""
+    with netns.hosts(2) as cluster:
+        subprocess.run(["ip", "-n", cluster.hosts[0], "addr", "add", "10.77.0.101/24", "dev", netns.IFACE],
+                       check=True)
+        store_job = str(JOBS / "store_job.py")
+        r = _job(cluster, [store_job, "10.77.0.101"], timeout=120, env={"MCRDL_MASTER_ADDR": "10.77.0.101"})
+        assert r.output.count("OK store") == 2
+        # no interface named: the hostname (mcrdl-h0 -> 10.77.0.1; gloo resolves it too)
+        r = _job(cluster, [store_job, "10.77.0.1"], timeout=120, env={"GLOO_SOCKET_IFNAME": None})
+        assert r.output.count("OK store") == 2
+        # host 1's address is not host 0's: both ranks fail, with the reason
+        r = cluster.run([store_job, "-"], timeout=60, env={"MCRDL_MASTER_ADDR": cluster.addrs[1]})
+        assert r.returncode != 0 and r.output.count("could not start the rendezvous store") >= 2, r.output[-3000:]
     assert netns.leftovers() == []
 
 

@@ -167,6 +167,11 @@ def in_host(host: str, argv: Sequence[str]) -> list[str]:
             'hostname "$0" && exec "$@"', host, *argv]
 
 
+def _job_env(base: dict, extra: Optional[dict]) -> dict:
+    merged = {**os.environ, **base, **(extra or {})}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
 @dataclass
 class Cluster:
     hosts: list[str]
@@ -208,7 +213,7 @@ class Cluster:
         there through ``mcrdl run --launcher torchrun``), one rank each, host 0 the
         rendezvous; MPI is not live then. Outputs are concatenated in host order."""
         before = self.counters()
-        full_env = {**os.environ, **self.env, **(env or {})}
+        full_env = _job_env(self.env, env)
         start = time.monotonic()
         procs = []
         for k, host in enumerate(self.hosts):
@@ -235,9 +240,9 @@ class Cluster:
             env: Optional[dict] = None, extra: Sequence[str] = (), echo: bool = False) -> "JobResult":
         """Run ``program`` as a job over the hosts (``mcrdl run`` kills it after
         ``timeout`` s); its output (echoed as it comes with ``echo``) and the bytes
-        each host's interface moved meanwhile."""
+        each host's interface moved meanwhile. ``env`` adds variables (None: unset)."""
         before = self.counters()
-        full_env = {**os.environ, **self.env, **(env or {})}
+        full_env = _job_env(self.env, env)
         start = time.monotonic()
         proc = subprocess.Popen(in_host(self.hosts[0], self.launch_command(program, nprocs, timeout, extra)),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
