@@ -25,6 +25,7 @@ _runtime: Optional[Runtime] = None
 #: Dtypes the API accepts (per backend limits are checked by the selector).
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                     torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
+_PLAIN_DTYPES = DTYPES - {torch.bool}  # reduced as they are (bool goes through uint8)
 
 
 # -- lifecycle -------------------------------------------------------------------------
@@ -393,6 +394,22 @@ def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = None,
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
+    rt = _runtime
+    if (op is ReduceOp.SUM and not async_op and group is None and rt is not None
+            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype in _PLAIN_DTYPES
+            and tensor.is_contiguous() and not rt.engine.outstanding
+            and not rt.debug and rt.logger is None):
+        # The latency-critical case (blocking SUM of a contiguous CPU tensor on
+        # the world, nothing outstanding): what the general path below does for
+        # it, without the steps that are no-ops here.
+        g = rt.world
+        nbytes = tensor.nbytes
+        name = rt.selector.choose("all_reduce", nbytes, g.size, "cpu", tensor.dtype,
+                                  ReduceOp.SUM, backend)
+        if nbytes:
+            rt.engine.block("all_reduce", name, rt.backends[name].all_reduce(
+                g.handles[name], tensor, ReduceOp.SUM), g, (tensor,))
+        return None
     g = _group(group, "all_reduce")
     _check("all_reduce", tensor)
     if g.rank < 0:

@@ -31,6 +31,7 @@ class Pending:
     """
 
     progress_domain: Optional[str] = None
+    __slots__ = ()  # subclasses on the hot path declare theirs: no per-request __dict__
 
     def test(self) -> bool:
         """Return True once the request is complete; never blocks."""
@@ -381,17 +382,8 @@ class Engine:
         that needs another library's progress) is waited for without creating
         a Work or taking a lock: nobody else can see its request."""
         if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
-            try:
-                if pending.block(time.monotonic() + group.timeout):
-                    run_post(post)
-                    return None
-            except Exception as exc:
-                work = Work(self, op, backend, pending, reads, writes, post, group, result)
-                work._finish(exc)
-                raise self.explain(work) from exc
-            work = Work(self, op, backend, pending, reads, writes, post, group, result)
-            self._abandon(work)
-            raise self.explain(work)
+            self.block(op, backend, pending, group, (*reads, *writes), post, result)
+            return None
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
         with self._lock:
             self.outstanding.append(work)
@@ -399,6 +391,24 @@ class Engine:
             return work
         work.wait()
         return None
+
+    def block(self, op: str, backend: str, pending: Pending, group, tensors: Sequence[torch.Tensor],
+              post: Sequence[Callable[[], None]] = (), result: Sequence[torch.Tensor] = ()) -> None:
+        """Wait for a blocking op inside its own library (the caller checked
+        that nothing outstanding needs another library's progress), then run
+        ``post``. ``tensors``: those it touches, kept alive if it is abandoned."""
+        try:
+            if pending.block(time.monotonic() + group.timeout):
+                if post:
+                    run_post(post)
+                return
+        except Exception as exc:
+            work = Work(self, op, backend, pending, tensors, (), post, group, result)
+            work._finish(exc)
+            raise self.explain(work) from exc
+        work = Work(self, op, backend, pending, tensors, (), post, group, result)
+        self._abandon(work)
+        raise self.explain(work)
 
     # -- progress ---------------------------------------------------------------
     def poll(self) -> None:
