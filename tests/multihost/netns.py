@@ -68,7 +68,8 @@ JOB_ENV = {
 }
 
 _NS_RE = re.compile(rf"^{re.escape(PREFIX)}\d+$")
-_LINK_RE = re.compile(rf"^(?:{re.escape(BRIDGE)}|{re.escape(ROOT_VETH.format(''))}\d+)$")
+_PROBE_NS_RE = re.compile(r"^mcrdl-probeq?$")  # unavailable_reason / qdisc_available
+_LINK_RE = re.compile(rf"^(?:{re.escape(BRIDGE)}|{re.escape(ROOT_VETH.format(''))}\d+|mcrdl-probe(?:0|br))$")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -113,7 +114,8 @@ def unavailable_reason() -> Optional[str]:
 # -- inventory and cleanup --------------------------------------------------------------
 def _namespaces() -> list[str]:
     out = _ip("netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.split() and _NS_RE.match(line.split()[0])]
+    names = [line.split()[0] for line in out.splitlines() if line.split()]
+    return [n for n in names if _NS_RE.match(n) or _PROBE_NS_RE.match(n)]
 
 
 def _links() -> list[str]:
@@ -379,11 +381,11 @@ def hosts(n: int, delay: Optional[str] = None, rate: Optional[str] = None) -> It
     one harness at a time per machine (a lock file), removed on exit or failure."""
     if not 1 <= n <= MAX_HOSTS:
         raise ValueError(f"hosts: n must be 1..{MAX_HOSTS}, got {n}")
-    reason = unavailable_reason()
-    if reason:
-        raise RuntimeError(f"netns harness cannot run here: {reason}")
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(f"netns harness cannot run here: {reason}")
         try:
             stale = cleanup()
             if stale:
