@@ -404,11 +404,17 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
         # it, without the steps that are no-ops here.
         g = rt.world
         nbytes = tensor.nbytes
-        name = rt.selector.choose("all_reduce", nbytes, g.size, "cpu", tensor.dtype,
-                                  ReduceOp.SUM, backend)
+        key = (nbytes, tensor.dtype, backend)
+        plan = g.starters.get(key)
+        if plan is None:  # selection and set-up, once per size, dtype and backend=
+            name = rt.selector.choose("all_reduce", nbytes, g.size, "cpu", tensor.dtype,
+                                      ReduceOp.SUM, backend)
+            if len(g.starters) >= 4096:
+                g.starters.clear()
+            plan = g.starters[key] = (name, rt.backends[name].all_reduce_starter(
+                g.handles[name], tensor.dtype, ReduceOp.SUM))
         if nbytes:
-            rt.engine.block("all_reduce", name, rt.backends[name].all_reduce(
-                g.handles[name], tensor, ReduceOp.SUM), g, (tensor,))
+            rt.engine.block("all_reduce", plan[0], plan[1](tensor), g, (tensor,))
         return None
     g = _group(group, "all_reduce")
     _check("all_reduce", tensor)

@@ -24,7 +24,8 @@ class Group:
     """A set of ranks usable with every live backend (an MPI communicator and
     a torch process group behind one object)."""
 
-    __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index")
+    __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index",
+                 "starters")
 
     def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
                  owner: "Runtime"):
@@ -37,6 +38,8 @@ class Group:
         self.name = name
         self.handles: dict[str, object] = {}
         self.seq = 0  # collectives issued (debug mode fingerprints)
+        #: (nbytes, dtype, backend=) -> (backend chosen, all_reduce starter): the fast path's plans
+        self.starters: dict = {}
 
     def __repr__(self) -> str:
         return f"<mcrdl.Group {self.name} ranks={list(self.ranks)}>"

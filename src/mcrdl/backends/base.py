@@ -10,7 +10,7 @@ Group ranks (``root``, ``peer``) are ranks *within* the group.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -71,6 +71,13 @@ class Backend:
     # Operations: each returns a Pending and never blocks.
     def all_reduce(self, h, tensor: torch.Tensor, op: ReduceOp) -> Pending:
         raise NotImplementedError
+
+    def all_reduce_starter(self, h, dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor], Pending]:
+        """``all_reduce`` for contiguous CPU tensors of ``dtype`` with ``op`` on
+        ``h``, with what can be set up once done once (mcrdl's all_reduce fast
+        path keeps one per size and dtype). Optional: the default just calls
+        ``all_reduce``."""
+        return lambda tensor: self.all_reduce(h, tensor, op)
 
     def broadcast(self, h, tensor: torch.Tensor, root: int) -> Pending:
         raise NotImplementedError

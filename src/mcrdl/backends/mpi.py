@@ -146,6 +146,13 @@ class MPIBackend(Backend):
             return MPIPending(comm.Iallreduce(self._in_place, buf, mop), tensor)
         return self._reduction([tensor], lambda b: comm.Iallreduce(self._in_place, b, mop))
 
+    def all_reduce_starter(self, comm, dtype, op):
+        dt = self.reduce_types.get(dtype)
+        if dt is None:  # widened to float32 and rounded back: the general path
+            return super().all_reduce_starter(comm, dtype, op)
+        iallreduce, in_place, fromaddress, mop = comm.Iallreduce, self._in_place, self._fromaddress, self.reduce_ops[op]
+        return lambda t: MPIPending(iallreduce(in_place, [fromaddress(t.data_ptr(), t.nbytes), dt], mop), t)
+
     def broadcast(self, comm, tensor, root):
         return MPIPending(comm.Ibcast(self._buf(tensor), root), tensor)
 
