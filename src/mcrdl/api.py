@@ -25,7 +25,7 @@ _runtime: Optional[Runtime] = None
 #: Dtypes the API accepts (per backend limits are checked by the selector).
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                     torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
-_PLAIN_DTYPES = DTYPES - {torch.bool}  # reduced as they are (bool goes through uint8)
+_SUM = ReduceOp.SUM
 
 
 # -- lifecycle -------------------------------------------------------------------------
@@ -395,18 +395,20 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
     rt = _runtime
-    if (op is ReduceOp.SUM and not async_op and group is None and rt is not None
-            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype in _PLAIN_DTYPES
-            and tensor.is_contiguous() and not rt.engine.outstanding
-            and not rt.debug and rt.logger is None):
+    if (op is _SUM and not async_op and group is None and rt is not None and rt.plain
+            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
+            and not rt.engine.outstanding):
         # The latency-critical case (blocking SUM of a contiguous CPU tensor on
-        # the world, nothing outstanding): what the general path below does for
-        # it, without the steps that are no-ops here.
+        # the world, nothing outstanding, no debug or logger): what the general
+        # path below does for it, without the steps that are no-ops here.
         g = rt.world
         nbytes = tensor.nbytes
         key = (nbytes, tensor.dtype, backend)
         plan = g.starters.get(key)
-        if plan is None:  # selection and set-up, once per size, dtype and backend=
+        if plan is None:  # checks, selection and set-up, once per size, dtype and backend=
+            _check("all_reduce", tensor)
+            if tensor.dtype is torch.bool:  # reduced through uint8: the general path
+                return _all_reduce(tensor, op, group, async_op, backend)
             name = rt.selector.choose("all_reduce", nbytes, g.size, "cpu", tensor.dtype,
                                       ReduceOp.SUM, backend)
             if len(g.starters) >= 4096:
@@ -416,6 +418,10 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
         if nbytes:
             rt.engine.block("all_reduce", plan[0], plan[1](tensor), g, (tensor,))
         return None
+    return _all_reduce(tensor, op, group, async_op, backend)
+
+
+def _all_reduce(tensor, op, group, async_op, backend) -> Optional[Work]:
     g = _group(group, "all_reduce")
     _check("all_reduce", tensor)
     if g.rank < 0:
