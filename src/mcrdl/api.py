@@ -395,9 +395,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
     rt = _runtime
-    if (op is _SUM and not async_op and group is None and rt is not None and rt.plain
+    if (op is _SUM and not async_op and group is None and rt is not None
             and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
-            and not rt.engine.outstanding):
+            and not rt.engine.outstanding and rt.logger is None and not rt.debug):
         # The latency-critical case (blocking SUM of a contiguous CPU tensor on
         # the world, nothing outstanding, no debug or logger): what the general
         # path below does for it, without the steps that are no-ops here.

@@ -208,7 +208,6 @@ class Runtime:
         if comms_log:
             from .features.logger import CommsLogger
             self.logger = CommsLogger(self.rank, self.world_size)
-        self.plain = not self.debug and self.logger is None  # all_reduce's fast path may run
         self.groups: list[Group] = []
         self.world = self.new_group(range(self.world_size), timeout, name="world")
 
