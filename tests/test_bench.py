@@ -74,6 +74,7 @@ def test_bench_json_metadata(bench_doc):
     assert v["torch"] == torch.__version__ and v["mpi4py"] == mpi4py.__version__
     assert v["mpi"] and v["gloo"]
     assert dt.datetime.fromisoformat(meta["date"]).tzinfo is not None
+    assert meta["mode"] == "back-to-back" and "cold_step" not in meta
     sweep = meta["sweep"]
     assert sweep["ops"] == OPS and sweep["sizes"] == [4, 65536]
     assert sweep["variants"] == VARIANTS
@@ -282,6 +283,40 @@ def test_bench_cli_exits_nonzero_when_a_check_fails():
     assert "CHECK FAILED: 2 results" in out, out[-3000:]
     assert "all_reduce 4 B on gloo_corrupt" in out and "all_reduce 4096 B on gloo_corrupt" in out
     assert "on mpi" not in out
+
+
+# -- cold mode -------------------------------------------------------------------------------
+def test_bench_cold_mode_is_recorded_and_fitted(tmp_path):
+    from mcrdl.model import CostModel
+
+    out = tmp_path / "cold.json"
+    ok(mcrdl_cli("bench", "-n", "2", "--cold", "--variants", "mpi", "--ops", "all_reduce",
+                 "--sizes", "4,64K", "--iters", "2", "--large-iters", "2", "--rounds", "1",
+                 "--warmup", "1", "--check", "--json", out))
+    results, meta = bench.load_json(out)
+    assert meta["mode"] == "cold" and meta["cold_step"] == bench.COLD_STEP
+    assert [(r.bytes, r.check) for r in results] == [(4, "ok"), (65536, "ok")]
+    assert CostModel.from_bench(out).source.endswith(", cold calls)")
+
+
+def test_tune_cold_mode_is_recorded(tmp_path):
+    out, res = tmp_path / "t.json", tmp_path / "r.json"
+    ok(mcrdl_cli("tune", "-n", "2", "--cold", "--backends", "mpi", "--ops", "all_reduce", "--out", out,
+                 "--results", res, *SHORT, timeout=120))
+    assert json.loads(out.read_text())["metadata"]["mode"] == "cold"
+    assert bench.load_json(res)[1]["mode"] == "cold"
+
+
+@pytest.mark.parametrize("mode", ["warm", "", None, 1, ["cold"]])
+def test_bench_loader_refuses_an_unknown_mode(mode):
+    doc = {"format": bench.FORMAT, "metadata": {"world_size": 2, "mode": mode}, "results": []}
+    with pytest.raises(ValueError, match=r"<bench>: metadata\.mode: expected one of back-to-back, cold"):
+        bench.from_doc(doc)
+
+
+def test_bench_files_without_a_mode_are_back_to_back():
+    doc = {"format": bench.FORMAT, "metadata": {"world_size": 2}, "results": []}
+    assert bench.mode_of(bench.from_doc(doc)[1]) == "back-to-back"
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -16,6 +16,12 @@ Per round the per-call
 times are reduced across ranks (avg, min, max); a result is the median over
 rounds. algbw = S / t; busbw = algbw x factor (nccl-tests). p2p is a ping-pong
 between ranks 0 and 1: latency is half the round trip.
+
+Mode (``metadata.mode``): ``back-to-back`` (default, OSU) times calls that run
+one after another, with the library's code and the buffers hot in cache;
+``cold`` (``--cold``) runs :data:`COLD_STEP` before each call's barrier,
+outside the timed region, so each call starts as in a training step, after
+compute that evicts caches (docs/bench.md, "Cold mode").
 """
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ FORMAT = "mcrdl-bench/1"
 #: Ops the bench knows (selection classes without barrier).
 BENCH_OPS = tuple(op for op in SELECT_OPS if op != "barrier")
 SMALL = 8192  # bytes: below this, more iterations (as OSU)
+MODES = ("back-to-back", "cold")
+#: The compute before each call in cold mode (on one torch thread per rank).
+COLD_STEP = "1 matmul 256x512 @ 512x512 fp32 (1.5 MiB of operands)"
 
 
 def busbw_factor(op: str, n: int) -> float:
@@ -230,8 +239,15 @@ class Bench:
 
     def __init__(self, variants: Sequence[str], iters: int = 200, large_iters: int = 20,
                  warmup: int = 5, rounds: int = 5, check: bool = False,
-                 progress: Optional[Callable[[str], None]] = None):
+                 progress: Optional[Callable[[str], None]] = None, cold: bool = False):
         self.rank, self.world = api.get_rank(), api.get_world_size()
+        self.mode = "cold" if cold else "back-to-back"
+        self.prepare = lambda: None
+        if cold:  # COLD_STEP, on one thread as the workloads run (no idle OpenMP threads spinning)
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            a, b = torch.randn(256, 512), torch.randn(512, 512)
+            self.prepare = lambda: a @ b
         self.variants = list(variants)
         self.iters, self.large_iters, self.warmup, self.rounds = iters, large_iters, warmup, rounds
         self.do_check = check
@@ -252,6 +268,8 @@ class Bench:
     def close(self) -> None:
         import torch.distributed as dist
 
+        if hasattr(self, "_threads"):
+            torch.set_num_threads(self._threads)
         if getattr(self, "_own_raw_gloo", False) and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -283,12 +301,13 @@ class Bench:
         per_round = {v: [] for v in cases}
         order = list(cases)
         barrier = lambda: api.barrier(backend=self.harness)
-        clock = time.perf_counter
+        clock, prepare = time.perf_counter, self.prepare
         for rnd in range(self.rounds):
             for v in order[rnd % len(order):] + order[:rnd % len(order)]:  # rotate the order
                 call = cases[v].call
                 samples = []
                 for _ in range(iters):  # OSU: time each call, a barrier between calls
+                    prepare()  # cold mode: compute first, untimed
                     barrier()
                     start = clock()
                     call()
@@ -333,8 +352,8 @@ def human(nbytes: int) -> str:
     return f"{nbytes}"
 
 
-def metadata(settings: dict) -> dict:
-    """Where and how a measurement was made (hosts, versions, date, settings)."""
+def metadata(settings: dict, mode: str = "back-to-back") -> dict:
+    """Where and how a measurement was made (hosts, versions, date, mode, settings)."""
     import mpi4py
 
     hosts = sorted(set(_allgather_str(socket.gethostname())))
@@ -342,7 +361,13 @@ def metadata(settings: dict) -> dict:
             "versions": {"mcrdl": __import__("mcrdl").__version__, "torch": torch.__version__,
                          "mpi4py": mpi4py.__version__, **api.get_backend_versions()},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "cpus": os.cpu_count(), "sweep": settings}
+            "cpus": os.cpu_count(), "mode": mode,
+            **({"cold_step": COLD_STEP} if mode == "cold" else {}), "sweep": settings}
+
+
+def mode_of(meta: dict) -> str:
+    """The bench mode of validated metadata (files without one: back-to-back)."""
+    return meta.get("mode", "back-to-back")
 
 
 def _allgather_str(text: str) -> list[str]:
@@ -393,7 +418,7 @@ _RESULT_FIELDS = {f.name: f for f in fields(Result)}
 
 def from_doc(doc: Any, source: str = "<bench>") -> tuple[list[Result], dict]:
     """Validate a parsed ``mcrdl-bench/1`` document: (results, metadata).
-    Metadata is free-form except ``world_size`` and ``hosts``. Errors are
+    Metadata is free-form except ``world_size``, ``hosts`` and ``mode``. Errors are
     ValueErrors naming the source and the key, e.g. ``results[3].max_us``."""
     def fail(key: str, msg: str):
         raise ValueError(f"{source}: {key_path(key)}: {msg}")
@@ -409,6 +434,8 @@ def from_doc(doc: Any, source: str = "<bench>") -> tuple[list[Result], dict]:
         fail("metadata", f"expected an object, got {type(meta).__name__}")
     if "world_size" in meta and not is_int(meta["world_size"], 1):
         fail("metadata.world_size", f"expected an integer >= 1, got {shown(meta['world_size'])}")
+    if meta.get("mode", MODES[0]) not in MODES:
+        fail("metadata.mode", f"expected one of {', '.join(MODES)}, got {shown(meta['mode'])}")
     hosts = meta.get("hosts", [])
     if not (isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)):
         fail("metadata.hosts", f"expected a list of host names, got {shown(hosts)}")

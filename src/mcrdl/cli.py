@@ -158,14 +158,14 @@ def _cmd_bench(args, argv) -> int:
         rounds = args.rounds or (2 if args.quick else 5)
         progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
         with progress:
-            b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step)
+            b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step, args.cold)
             try:
                 results = b.sweep(ops, sizes)
             finally:
                 b.close()
             progress.update(task, advance=1, description="done")
         meta = bench.metadata({"ops": ops, "sizes": sizes, "variants": variants, "iters": iters,
-                               "large_iters": large, "rounds": rounds, "warmup": args.warmup})
+                               "large_iters": large, "rounds": rounds, "warmup": args.warmup}, b.mode)
         if rank == 0:
             bench.print_tables(results)
             if args.json:
@@ -207,12 +207,15 @@ def _cmd_tune(args, argv) -> int:
         rounds = args.rounds or (3 if args.quick else 5)
         progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
         with progress:
-            b = bench.Bench(backends, iters, large, args.warmup, rounds, False, step)
-            results = b.sweep(ops, sizes)
+            b = bench.Bench(backends, iters, large, args.warmup, rounds, False, step, args.cold)
+            try:
+                results = b.sweep(ops, sizes)
+            finally:
+                b.close()
             progress.update(task, advance=1, description="done")
         meta = bench.metadata({"ops": ops, "sizes": sizes, "backends": backends, "iters": iters,
                                "large_iters": large, "rounds": rounds, "warmup": args.warmup,
-                               "quick": args.quick})
+                               "quick": args.quick}, b.mode)
         table = tune.make_table(results, backends, world, meta, args.margin)
         if rank == 0:
             with open(args.out, "w", encoding="utf-8") as f:
@@ -336,6 +339,9 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--quick", action="store_true", help="few sizes and iterations (demo, tests)")
         c.add_argument("--plot", metavar="DIR", help="write one PNG per op into DIR")
         c.add_argument("--timeout", type=float, default=300, help="per-op timeout (s)")
+        c.add_argument("--cold", action="store_true",
+                       help="run a fixed compute step (1 matmul) before each timed call, as in a training "
+                            "step (default: back to back, OSU)")
         if name == "bench":
             c.add_argument("--variants", help="e.g. mpi,gloo,mcrdl,raw-mpi,raw-gloo (default: all)")
             c.add_argument("--check", action="store_true", help="verify results on exact values")

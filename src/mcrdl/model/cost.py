@@ -219,8 +219,9 @@ class CostModel:
     @classmethod
     def from_bench(cls, doc_or_path, weighting: str = "relative") -> "CostModel":
         """Fit every forced-backend variant of a ``mcrdl-bench/1`` result
-        (``mcrdl bench --json`` or ``mcrdl tune --results``)."""
-        from ..bench import from_doc, load_json
+        (``mcrdl bench --json`` or ``mcrdl tune --results``); the source
+        names its mode (back-to-back or cold calls, docs/bench.md)."""
+        from ..bench import from_doc, load_json, mode_of
         from ..tuning import shown
 
         if isinstance(doc_or_path, (str, os.PathLike)):
@@ -263,7 +264,8 @@ class CostModel:
         if skipped:
             notes.append(f"{skipped} results with a time of 0 skipped")
         hosts = meta.get("hosts")
-        src = f"fitted from {path} ({group} ranks" + (f" on {', '.join(hosts)}" if hosts else "") + ")"
+        src = (f"fitted from {path} ({group} ranks" + (f" on {', '.join(hosts)}" if hosts else "")
+               + f", {mode_of(meta)} calls)")
         return cls(fits, source=src, notes=notes)
 
     def add_declared(self, alpha_beta: dict) -> None:
