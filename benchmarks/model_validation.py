@@ -2,17 +2,23 @@
 and MoE workloads on 2 local ranks, several runs each
 (docs/results/model_validation.md):
 
-    .venv/bin/python benchmarks/model_validation.py [--runs 5] [--steps 10] [--warmup 2]
+    .venv/bin/python benchmarks/model_validation.py [--runs 5] [--steps 10] [--warmup 2] [--bench FILE]
 
-Each run logs ``--steps`` steps after ``--warmup`` unlogged ones
-(examples/model/log_workload.py), then compares with ``mcrdl model
---compare-log`` (fits of docs/results/tune-sweep-2ranks.json, backends from
-docs/results/tuning-2ranks.json). During each logged run it also measures the
-CPU time other processes took (all busy CPU time minus the run's own): a
-shared machine makes the ranks wait for CPUs, so runs with others above 5 %
-of the CPUs are reported apart. Writes docs/results/model_validation.txt
-(every comparison table) and .json (per op: prediction, each run's logged
-and arrival-corrected time, others' CPU share).
+The model is calibrated from bench sweeps only, never from the validation
+runs. First, unless ``--bench`` names a recorded one, a cold sweep
+(``mcrdl bench --cold``: a compute step before each timed call, as in a
+training step; docs/bench.md) of all_reduce and all_to_all on MPI, written to
+docs/results/model_cold-sweep-2ranks.json. Then each run logs ``--steps``
+steps after ``--warmup`` unlogged ones (examples/model/log_workload.py) and is
+compared with ``mcrdl model --compare-log`` twice: calibrated from the cold
+sweep and from the back-to-back tune sweep docs/results/tune-sweep-2ranks.json
+(backends from docs/results/tuning-2ranks.json). During the sweep and each
+logged run it also measures the CPU time other processes took (all busy CPU time minus the
+run's own): a shared machine makes the ranks wait for CPUs, so runs with
+others above 5 % of the CPUs are reported apart. Writes
+docs/results/model_validation.txt (every comparison table) and .json (per op
+and calibration the prediction; per run the logged and arrival-corrected
+time, the diffs, others' CPU share).
 """
 import argparse
 import json
@@ -27,7 +33,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, ".venv", "bin")
 RES = os.path.join(ROOT, "docs", "results")
-BENCH, TABLE = "docs/results/tune-sweep-2ranks.json", "docs/results/tuning-2ranks.json"
+TABLE = "docs/results/tuning-2ranks.json"
+WARM = "docs/results/tune-sweep-2ranks.json"
+COLD = "docs/results/model_cold-sweep-2ranks.json"
+SWEEP = ["bench", "-n", "2", "--cold", "--ops", "all_reduce,all_to_all", "--variants", "mpi",
+         "--max-bytes", "1M", "--json", COLD]
 QUIET = 0.05  # others' share of the CPUs below which a run counts as quiet
 
 
@@ -43,45 +53,69 @@ def children_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def others_share(run) -> float:
+    """Share of the CPUs that processes other than ``run()``'s took while it ran."""
+    b0, c0, t0 = busy_s(), children_s(), time.monotonic()
+    run()
+    return max(busy_s() - b0 - (children_s() - c0), 0.0) / ((time.monotonic() - t0) * os.cpu_count())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--bench", help=f"recorded cold sweep to calibrate from (default: run one, write {COLD})")
     a = p.parse_args()
-    cmd = f"python benchmarks/model_validation.py --runs {a.runs} --steps {a.steps} --warmup {a.warmup}"
+    cmd = (f"python benchmarks/model_validation.py --runs {a.runs} --steps {a.steps} --warmup {a.warmup}"
+           + (f" --bench {a.bench}" if a.bench else ""))
+    sweep_others = None
+    if not a.bench:
+        sweep_others = others_share(lambda: subprocess.run([f"{BIN}/mcrdl", *SWEEP], cwd=ROOT, check=True,
+                                                           capture_output=True))
+        print(f"$ mcrdl {' '.join(SWEEP)}: other processes used {sweep_others * 100:.0f}% of the CPUs",
+              flush=True)
+    calibrations = {"cold": a.bench or COLD, "back-to-back": WARM}
     ops: dict = {}
     text = []
     with tempfile.TemporaryDirectory() as work:
         for i in range(1, a.runs + 1):
             for w in ("megatron", "moe"):
-                log, out = os.path.join(work, f"{w}-{i}"), os.path.join(work, f"{w}-{i}-model")
+                log = os.path.join(work, f"{w}-{i}")
                 env = {**os.environ, "MCRDL_COMMS_LOG": "1", "MCRDL_COMMS_LOG_DIR": log}
-                b0, c0, t0 = busy_s(), children_s(), time.monotonic()
-                subprocess.run([f"{BIN}/mcrdl", "run", "-n", "2", "examples/model/log_workload.py", w,
-                                "--steps", str(a.steps), "--warmup", str(a.warmup), "--table", TABLE],
-                               cwd=ROOT, env=env, check=True, capture_output=True)
-                others = max(busy_s() - b0 - (children_s() - c0), 0.0) / (
-                    (time.monotonic() - t0) * os.cpu_count())
-                rep = subprocess.run([f"{BIN}/mcrdl", "model", f"examples/model/workload_{w}.json",
-                                      "--compare-log", log, "--log-iterations", str(a.steps), "--bench", BENCH,
-                                      "--table", TABLE, "--out", out], cwd=ROOT, check=True,
-                                     capture_output=True, text=True).stdout
-                table = rep[rep.index("prediction vs logged run"):].split("\nwritten:")[0]
+                others = others_share(lambda: subprocess.run(
+                    [f"{BIN}/mcrdl", "run", "-n", "2", "examples/model/log_workload.py", w, "--steps",
+                     str(a.steps), "--warmup", str(a.warmup), "--table", TABLE],
+                    cwd=ROOT, env=env, check=True, capture_output=True))
                 head = f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs"
                 print(head, flush=True)
-                text += [head, table]
-                with open(os.path.join(out, "model.json")) as f:
-                    for r in json.load(f)["compare"]:
-                        o = ops.setdefault(f"{w} {r['dim']} {r['op']}", {
-                            "pred_s": r["pred_s"], "count": r["meas_count"], "runs": []})
-                        o["runs"].append({"others_cpu": others, "logged_s": r["meas_s"],
-                                          "comm_s": r["meas_comm_s"], "diff_pct": r["diff_time_pct"],
-                                          "diff_logged_pct": r["diff_logged_time_pct"]})
+                text.append(head)
+                for calib, bench in calibrations.items():
+                    out = f"{log}-model-{calib}"
+                    rep = subprocess.run([f"{BIN}/mcrdl", "model", f"examples/model/workload_{w}.json",
+                                          "--compare-log", log, "--log-iterations", str(a.steps),
+                                          "--bench", bench, "--table", TABLE, "--out", out],
+                                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+                    text += [f"-- calibrated from {bench}",
+                             rep[rep.index("prediction vs logged run"):].split("\nwritten:")[0]]
+                    with open(os.path.join(out, "model.json")) as f:
+                        for r in json.load(f)["compare"]:
+                            o = ops.setdefault(f"{w} {r['dim']} {r['op']}", {
+                                "count": r["meas_count"], "pred_s": {}, "runs": {}})
+                            o["pred_s"][calib] = r["pred_s"]
+                            run = o["runs"].setdefault(i, {"others_cpu": others, "logged_s": r["meas_s"],
+                                                           "comm_s": r["meas_comm_s"], "diff_pct": {},
+                                                           "diff_logged_pct": {}})
+                            run["diff_pct"][calib] = r["diff_time_pct"]
+                            run["diff_logged_pct"][calib] = r["diff_logged_time_pct"]
+    for o in ops.values():
+        o["runs"] = list(o["runs"].values())
     with open(os.path.join(RES, "model_validation.txt"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(RES, "model_validation.json"), "w") as f:
-        json.dump({"command": cmd, "quiet_below_others_cpu": QUIET, "ops": ops}, f, indent=1)
+        json.dump({"command": cmd, "calibrations": calibrations, "sweep_others_cpu": sweep_others,
+                   "quiet_below_others_cpu": QUIET,
+                   "ops": ops}, f, indent=1)
         f.write("\n")
     print(f"\n{cmd}\nper op over {a.steps} steps: comm = arrival-corrected; median [min, max] over the "
           f"quiet runs (others < {QUIET * 100:.0f}% of the CPUs), then over all runs")
@@ -90,11 +124,14 @@ def main() -> int:
             if not runs:
                 print(f"{k:24s} {name:5s} no runs")
                 continue
-            d = [r["diff_pct"] for r in runs]
             med = lambda key: statistics.median(r[key] for r in runs) * 1e3
-            print(f"{k:24s} {name:5s} {len(runs)} runs: pred {o['pred_s'] * 1e3:.3f} ms, comm "
-                  f"{med('comm_s'):.3f} ms, diff {statistics.median(d):+.1f}% [{min(d):+.1f}, {max(d):+.1f}], "
+            print(f"{k:24s} {name:5s} {len(runs)} runs: comm {med('comm_s'):.3f} ms "
+                  f"[{min(r['comm_s'] for r in runs) * 1e3:.3f}, {max(r['comm_s'] for r in runs) * 1e3:.3f}], "
                   f"logged {med('logged_s'):.3f} ms")
+            for calib in calibrations:
+                d = [r["diff_pct"][calib] for r in runs]
+                print(f"{'':30s} {calib:12s} pred {o['pred_s'][calib] * 1e3:.3f} ms, diff "
+                      f"{statistics.median(d):+.1f}% [{min(d):+.1f}, {max(d):+.1f}]")
     return 0
 
 
