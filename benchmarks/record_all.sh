@@ -13,7 +13,7 @@ run $BIN/mcrdl run -n 2 benchmarks/selection_overhead.py --json $OUT/selection_o
 run $BIN/mcrdl run -n 2 benchmarks/logger_overhead.py --json $OUT/logger_overhead.json | tee $OUT/logger_overhead.txt
 run $BIN/mcrdl tune -n 2 --out $OUT/tuning-2ranks.json --results $OUT/tune-sweep-2ranks.json \
     --plot $OUT/tune-plots | tee $OUT/tune-2ranks.txt
-run $BIN/mcrdl bench -n 2 --table $OUT/tuning-2ranks.json --check --step 2 \
+run $BIN/mcrdl bench -n 2 --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \
     --json $OUT/bench-2ranks.json --csv $OUT/bench-2ranks.csv --plot $OUT/bench-plots | tee $OUT/bench-2ranks.txt
 if [ -f benchmarks/fusion.py ]; then
   run $BIN/mcrdl run -n 2 benchmarks/fusion.py --json $OUT/fusion.json | tee $OUT/fusion.txt
