@@ -382,7 +382,7 @@ class Engine:
         that needs another library's progress) is waited for without creating
         a Work or taking a lock: nobody else can see its request."""
         if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
-            self.block(op, backend, pending, group, (*reads, *writes), post, result)
+            self.block(op, backend, pending, group, reads, writes, post, result)
             return None
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
         with self._lock:
@@ -392,21 +392,22 @@ class Engine:
         work.wait()
         return None
 
-    def block(self, op: str, backend: str, pending: Pending, group, tensors: Sequence[torch.Tensor],
-              post: Sequence[Callable[[], None]] = (), result: Sequence[torch.Tensor] = ()) -> None:
+    def block(self, op: str, backend: str, pending: Pending, group, reads: Sequence[torch.Tensor],
+              writes: Sequence[torch.Tensor] = (), post: Sequence[Callable[[], None]] = (),
+              result: Sequence[torch.Tensor] = ()) -> None:
         """Wait for a blocking op inside its own library (the caller checked
         that nothing outstanding needs another library's progress), then run
-        ``post``. ``tensors``: those it touches, kept alive if it is abandoned."""
+        ``post``. ``reads``/``writes``: what it touches, kept alive if it is abandoned."""
         try:
             if pending.block(time.monotonic() + group.timeout):
                 if post:
                     run_post(post)
                 return
         except Exception as exc:
-            work = Work(self, op, backend, pending, tensors, (), post, group, result)
+            work = Work(self, op, backend, pending, reads, writes, post, group, result)
             work._finish(exc)
             raise self.explain(work) from exc
-        work = Work(self, op, backend, pending, tensors, (), post, group, result)
+        work = Work(self, op, backend, pending, reads, writes, post, group, result)
         self._abandon(work)
         raise self.explain(work)
 
