@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import os
 import platform
 import socket
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
+from _record import environment, write_json
 
 DEFAULT_SIZES = [4, 1 << 10, 16 << 10, 256 << 10, 4 << 20]
 VARIANTS = ["mcrdl mpi", "mcrdl gloo", "mcrdl selected", "raw mpi4py", "raw torch.distributed gloo"]
@@ -262,20 +262,10 @@ def main() -> int:
                 "warmup": warmup_used,
                 "rounds": args.rounds,
                 "world_size": world,
-                "versions": {"torch": torch.__version__, "mpi4py": mpi4py.__version__,
-                             "mpi_library": mpi_lib, "mcrdl": mcrdl.__version__,
-                             "numpy": np.__version__, "python": platform.python_version()},
-                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                "hostname": platform.node(),
-                "cpus": os.cpu_count(),
+                **environment(mpi4py=mpi4py.__version__, mpi_library=mpi_lib, numpy=np.__version__),
                 "total_seconds": total_s,
             }
-            d = os.path.dirname(os.path.abspath(args.json))
-            os.makedirs(d, exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-                f.write("\n")
-            console.print(f"wrote {args.json}", highlight=False)
+            write_json(args.json, out, console)
 
     comm.Barrier()
     dist.destroy_process_group()

@@ -22,8 +22,6 @@ int8 with chunk 256, int8 with chunk 256 + error feedback):
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import platform
 import statistics
@@ -33,6 +31,7 @@ import time
 import torch
 
 import mcrdl
+from _record import environment, write_json
 from mcrdl.features.compression import (BF16Compressor, FP16Compressor, Int8Compressor,
                                        NoneCompressor, all_reduce_wire_bytes, compressed_all_reduce)
 from mcrdl.features.fusion import parse_bytes
@@ -168,16 +167,8 @@ def main() -> int:
                    "unit": "seconds per call", "world_size": world, "rounds": args.rounds,
                    "backend": args.backend, "selection_note": sel, "sizes": sizes,
                    "method": __doc__.split("\n\n", 2)[2].strip(), "results": rows,
-                   "versions": {"torch": torch.__version__, "mcrdl": mcrdl.__version__,
-                                "python": platform.python_version()},
-                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                   "hostname": platform.node(), "cpus": os.cpu_count(),
-                   "loadavg_at_end": os.getloadavg(), "total_seconds": total_s}
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-                f.write("\n")
-            console.print(f"wrote {args.json}", highlight=False)
+                   **environment(), "total_seconds": total_s}
+            write_json(args.json, out, console)
     mcrdl.barrier()
     mcrdl.destroy_process_group()
     return 0

@@ -26,8 +26,6 @@ Reported: median over rounds [min-max]. Tensors hold zeros while timed.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import math
 import os
 import platform
@@ -38,6 +36,7 @@ import time
 import torch
 
 import mcrdl
+from _record import environment, write_json
 from mcrdl.features.fusion import all_reduce_coalesced, fusion_buffer_pool, parse_bytes, plan_buckets
 
 
@@ -194,16 +193,8 @@ def main() -> int:
                    "total_bytes": total_bytes, "world_size": world, "rounds": args.rounds,
                    "iters": args.iters, "buckets": buckets, "async_baseline": args.async_baseline, "live_backends": live,
                    "results": rows, "selection": selected, "pool": pool.stats(),
-                   "versions": {"torch": torch.__version__, "mcrdl": mcrdl.__version__,
-                                "python": platform.python_version()},
-                   "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                   "hostname": platform.node(), "cpus": os.cpu_count(),
-                   "loadavg_at_end": os.getloadavg(), "total_seconds": total_s}
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
-                f.write("\n")
-            console.print(f"wrote {args.json}", highlight=False)
+                   **environment(), "total_seconds": total_s}
+            write_json(args.json, out, console)
     mcrdl.barrier()
     mcrdl.destroy_process_group()
     return 0
