@@ -10,3 +10,11 @@ CASES = ["staging", "aliased", "future", "callbacks", "polling", "parameters", "
 def test_review_regression(case):
     out = run_job(2, "regressions_job.py", case, timeout=120)
     assert out.count(f"{case} OK") == 2, out[-3000:]
+
+
+def test_callback_at_exit():
+    """The abort at exit this guards against is a race (7 of 8 jobs aborted
+    without the fix): two jobs make a miss unlikely."""
+    for _ in range(2):
+        out = run_job(2, "regressions_job.py", "callback_at_exit", timeout=120)
+        assert out.count("callback_at_exit OK") == 2, out[-3000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
@@ -98,6 +99,9 @@ DEFAULT_TIMEOUT = 1800.0
 #: Buffers of requests still pending at shutdown: kept alive past MPI_Finalize,
 #: which may still deliver into them.
 _LEAKED: list = []
+
+#: How long destroying the process group waits for futures' helper threads.
+HELPER_JOIN_S = 10.0
 
 
 def spin_until(test: Callable[[], bool], deadline: float) -> bool:
@@ -239,8 +243,7 @@ class Work:
         if native is not None:  # the library signals completion: sleep until then
             woken = threading.Event()
             native.then(lambda _: woken.set())
-        threading.Thread(target=self._wait_for_future, args=(woken,), daemon=True,
-                         name="mcrdl-future").start()
+        self._engine.start_helper(self._wait_for_future, woken)
         return fut
 
     def _wait_for_future(self, woken: Optional[threading.Event]) -> None:
@@ -318,6 +321,20 @@ class Engine:
         #: before the error reaches the user; returns a sentence on the state
         #: of the work's peers, added to the error.
         self.on_failure: Optional[Callable[[Work], str]] = None
+        self._helpers: set[threading.Thread] = set()  # futures' helper threads still running
+
+    def start_helper(self, target: Callable, *args) -> None:
+        """Run ``target(*args)`` on a daemon thread that :meth:`shutdown` joins."""
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._helpers.discard(thread)
+        thread = threading.Thread(target=run, daemon=True, name="mcrdl-future")
+        with self._lock:
+            self._helpers.add(thread)
+        thread.start()
 
     def explain(self, work: Work) -> BaseException:
         """``work``'s error, with (once) what ``on_failure`` says of its peers."""
@@ -349,6 +366,22 @@ class Engine:
         self._abandoned = []
         for work in works:
             work._settle_future()
+        self._join_helpers()
+
+    def _join_helpers(self) -> None:
+        """Wait for futures' helper threads (and the callbacks they run). One
+        still inside ``Future.set_result`` when the interpreter finalizes
+        cannot take the GIL back and aborts the process."""
+        deadline = time.monotonic() + HELPER_JOIN_S
+        with self._lock:
+            helpers = [t for t in self._helpers if t is not threading.current_thread()]
+        for thread in helpers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        stuck = sum(t.is_alive() for t in helpers)
+        if stuck:
+            warnings.warn(f"mcrdl: {stuck} future callback(s) still running {HELPER_JOIN_S:.0f} s after "
+                          "the process group was destroyed; the process may abort at exit",
+                          RuntimeWarning, stacklevel=2)
 
     # -- submission -------------------------------------------------------------
     def order_before(self, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor],

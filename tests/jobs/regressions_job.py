@@ -158,9 +158,28 @@ def destroy_pending():
             raise AssertionError("future of a destroyed work succeeded")
 
 
+def callback_at_exit():
+    """A future callback still running when the script ends: destroy waits for
+    it. Without that, its thread finds the interpreter finalizing when it takes
+    the GIL back inside ``Future.set_result`` and the process aborts ("terminate
+    called without an active exception"), seen in CI after ops_job's future."""
+    started = []
+
+    def busy(fut):
+        started.append(1)
+        end = time.monotonic() + 2
+        while time.monotonic() < end:  # holds the GIL now and then, like real work
+            pass
+        return fut.value()
+    for backend in ("mpi", "gloo"):
+        mcrdl.all_reduce(torch.ones(4), backend=backend, async_op=True).get_future().then(busy)
+    while len(started) < 2:
+        time.sleep(0.01)
+
+
 {"staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
- "destroy": destroy_pending}[case]()
+ "destroy": destroy_pending, "callback_at_exit": callback_at_exit}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
