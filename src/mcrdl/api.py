@@ -639,10 +639,18 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     inp = _private(_contiguous(input, False, post), out)
     in_counts = [r * row_in for r in in_rows]
     out_counts = [r * row_in for r in out_rows]
+    # No split sizes: an even split on every rank (ranks agree on passing split
+    # sizes or not; debug mode checks), which MPI runs as the faster Alltoall.
+    even = not output_split_sizes and not input_split_sizes
+    if even and in_rows != out_rows:
+        raise ValueError(f"{op}: without split sizes input and output need the same rows, got "
+                         f"{sum(in_rows)} and {sum(out_rows)}")
+    counts = (None, None) if even else (out_counts, in_counts)
     return _submit(op, g, _nbytes(input), input, backend, async_op,
-                   lambda b, h: b.all_to_all_single(h, out.view(-1), inp.view(-1), out_counts, in_counts),
+                   lambda b, h: b.all_to_all_single(h, out.view(-1), inp.view(-1), *counts),
                    reads=(input,), writes=(output,), post=post, result=[output],
-                   invariant=list(input.shape[1:]), agree=True, skip_empty=False, counts=in_counts)
+                   invariant={"row": list(input.shape[1:]), "split sizes": "none" if even else "given"},
+                   agree=True, skip_empty=False, counts=in_counts)
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],

@@ -358,7 +358,9 @@ def parser() -> argparse.ArgumentParser:
 
     mo = sub.add_parser("model", help="communication model of a Megatron-style job (docs/model.md)")
     mo.add_argument("config", help="model description, JSON (or YAML with PyYAML)")
-    mo.add_argument("--bench", help="mcrdl-bench/1 results to fit alpha-beta (default: built-in values)")
+    mo.add_argument("--bench", action="append", metavar="FILE",
+                    help="mcrdl-bench/1 results to fit alpha-beta (default: built-in values); "
+                         "repeat it to combine several sweeps (median per size)")
     mo.add_argument("--table", help="tuning table deciding the backend (default: fastest fit)")
     mo.add_argument("--out", help="write matrix.png, breakdown.png and model.json here")
     mo.add_argument("--compare-log", help="logger export (directory or records_rank*.json) to compare with")

@@ -90,6 +90,8 @@ def local():
             lambda: mcrdl.all_to_all_single(torch.empty(4), f(3)))
     refused(0, ValueError, ["all_to_all_single", "output", "5 rows", "group size 2"],
             lambda: mcrdl.all_to_all_single(torch.empty(5), f(4)))
+    refused(0, ValueError, ["all_to_all_single", "without split sizes", "same rows", "4 and 6"],
+            lambda: mcrdl.all_to_all_single(torch.empty(6), f(4)))
     refused(1, ValueError, ["all_to_all_single", "input_split_sizes", "2 non-negative"],
             lambda: mcrdl.all_to_all_single(torch.empty(4), f(4), [2, 2], [4]))
     refused(0, ValueError, ["all_to_all_single", "output_split_sizes", "sum to 3"],

@@ -113,6 +113,15 @@ def debug():
         check("backend" in str(exc), "backend mismatch not named", exc)
     else:
         raise AssertionError("mismatched backends were not detected")
+    # split sizes passed on one rank only: MPI would run Alltoall there and
+    # Alltoallv on the other (ranks must agree, as with torch's MPI backend)
+    inp, out = torch.ones(2 * world), torch.empty(2 * world)
+    try:
+        mcrdl.all_to_all_single(out, inp, *([[2] * world] * 2 if rank == 0 else []), backend="mpi")
+    except mcrdl.CommError as exc:
+        check("split sizes" in str(exc), "split sizes mismatch not named", exc)
+    else:
+        raise AssertionError("split sizes on one rank only were not detected")
     t = torch.ones(4)
     mcrdl.all_reduce(t)  # still usable after a detected mismatch
     check(torch.equal(t, torch.full((4,), float(world))), "all_reduce after mismatch", t)

@@ -100,8 +100,11 @@ class Backend:
         raise NotImplementedError
 
     def all_to_all_single(self, h, output: torch.Tensor, input: torch.Tensor,
-                          output_counts: Sequence[int], input_counts: Sequence[int]) -> Pending:
-        """1-D tensors; counts are element counts per peer."""
+                          output_counts: Optional[Sequence[int]],
+                          input_counts: Optional[Sequence[int]]) -> Pending:
+        """1-D tensors; counts are element counts per peer, or both None for
+        an even split (then None on every rank: the caller passed no split
+        sizes, which ranks must agree on, as with torch's MPI backend)."""
         raise NotImplementedError
 
     def barrier(self, h) -> Pending:

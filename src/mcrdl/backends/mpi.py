@@ -180,8 +180,8 @@ class MPIBackend(Backend):
 
     def all_to_all_single(self, comm, output, input, output_counts, input_counts):
         ib, ob = self._buf(input), self._buf(output)
-        # Always the v-variant: whether counts are even is a per-rank fact, and
-        # every rank must call the same MPI collective.
+        if input_counts is None:  # no split sizes on any rank: MPICH's Ialltoall is faster
+            return MPIPending(comm.Ialltoall(ib, ob), input, output)
         return MPIPending(comm.Ialltoallv([ib[0], (input_counts, _displs(input_counts)), ib[1]],
                                           [ob[0], (output_counts, _displs(output_counts)), ob[1]]),
                           input, output)

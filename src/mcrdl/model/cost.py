@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -217,55 +218,72 @@ class CostModel:
         return cls(fits, source=DEFAULT_SOURCE)
 
     @classmethod
-    def from_bench(cls, doc_or_path, weighting: str = "relative") -> "CostModel":
-        """Fit every forced-backend variant of a ``mcrdl-bench/1`` result
-        (``mcrdl bench --json`` or ``mcrdl tune --results``); the source
-        names its mode (back-to-back or cold calls, docs/bench.md)."""
+    def from_bench(cls, sources, weighting: str = "relative") -> "CostModel":
+        """Fit every forced-backend variant of ``mcrdl-bench/1`` results
+        (``mcrdl bench --json`` or ``mcrdl tune --results``): one path or
+        document, or a list of several sweeps of the same group size and mode,
+        whose times are combined per (op, backend, size) by their median, so
+        one sweep taken in a slow phase of the machine does not set the
+        calibration. The source names the mode (back-to-back or cold calls,
+        docs/bench.md) and the number of sweeps."""
         from ..bench import from_doc, load_json, mode_of
         from ..tuning import shown
 
-        if isinstance(doc_or_path, (str, os.PathLike)):
-            path = os.fspath(doc_or_path)
-            results, meta = load_json(path)
-        else:
-            path = "<bench>"
-            results, meta = from_doc(doc_or_path, path)
+        many = isinstance(sources, (list, tuple))
+        sweeps = []
+        for src in (sources if many else [sources]):
+            if isinstance(src, (str, os.PathLike)):
+                sweeps.append((os.fspath(src), *load_json(os.fspath(src))))
+            else:
+                sweeps.append(("<bench>", *from_doc(src, "<bench>")))
+        if not sweeps:
+            raise ValueError("no bench results given")
+        path, _, meta = sweeps[0]
         group = meta.get("world_size")
         if group is None or group < 2:
             raise ValueError(f"{path}: metadata.world_size: must be the bench's group size (>= 2), "
                              f"got {shown(group)}")
-        points: dict = {}
+        for other, _, m in sweeps[1:]:
+            for key, want in (("world_size", group), ("mode", mode_of(meta))):
+                got = m.get("world_size") if key == "world_size" else mode_of(m)
+                if got != want:
+                    raise ValueError(f"{other}: metadata.{key}: {shown(got)} differs from {path}'s "
+                                     f"{shown(want)}; sweeps combined must match")
+        samples: dict = {}
         skipped = 0
-        for r in results:
-            if r.variant == "mcrdl" or r.variant.startswith("raw-") or r.check == "FAIL":
-                continue
-            if r.max_us == 0:
-                skipped += 1
-                continue
-            points.setdefault((r.op, r.variant), []).append((r.bytes, r.max_us))
+        for _, results, _ in sweeps:
+            for r in results:
+                if r.variant == "mcrdl" or r.variant.startswith("raw-") or r.check == "FAIL":
+                    continue
+                if r.max_us == 0:
+                    skipped += 1
+                    continue
+                samples.setdefault((r.op, r.variant), {}).setdefault(r.bytes, []).append(r.max_us)
+        label = path if len(sweeps) == 1 else f"{len(sweeps)} sweeps ({', '.join(p for p, _, _ in sweeps)})"
         fits, notes = {}, []
-        for (op, backend), pts in sorted(points.items()):
-            if len({p[0] for p in pts}) < 2:
+        for (op, backend), by_size in sorted(samples.items()):
+            if len(by_size) < 2:
                 notes.append(f"{op}/{backend}: one size only, not fitted")
                 continue
-            sizes, times = [p[0] for p in pts], [p[1] for p in pts]
+            sizes = sorted(by_size)
+            times = [statistics.median(by_size[n]) for n in sizes]
             try:
-                fit = make_fit(op, backend, sizes, times, group, f"fit of {path}", weighting)
+                fit = make_fit(op, backend, sizes, times, group, f"fit of {label}", weighting)
                 finite = all(math.isfinite(v) for v in (fit.alpha_step_us, fit.beta_step_us, fit.rel_rms,
                                                          *(fit.time_us(n, group) for n in sizes)))
             except (OverflowError, ZeroDivisionError):  # the float arithmetic of a fit
                 finite = False
             if not finite:
-                raise ValueError(f"{path}: results: {op} on {backend}: times from {min(times):g} to "
+                raise ValueError(f"{label}: results: {op} on {backend}: times from {min(times):g} to "
                                  f"{max(times):g} us are beyond what a fit can use")
             fits[(op, backend)] = fit
         if not fits:
-            raise ValueError(f"{path}: no forced-backend results with two or more sizes to fit")
+            raise ValueError(f"{label}: no forced-backend results with two or more sizes to fit")
         if skipped:
             notes.append(f"{skipped} results with a time of 0 skipped")
         hosts = meta.get("hosts")
-        src = (f"fitted from {path} ({group} ranks" + (f" on {', '.join(hosts)}" if hosts else "")
-               + f", {mode_of(meta)} calls)")
+        src = (f"fitted from {label if len(sweeps) == 1 else label + ', median per size'} ({group} ranks"
+               + (f" on {', '.join(hosts)}" if hosts else "") + f", {mode_of(meta)} calls)")
         return cls(fits, source=src, notes=notes)
 
     def add_declared(self, alpha_beta: dict) -> None:
