@@ -621,6 +621,64 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                       async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Split ``input`` along dim 0, send block ``i`` to group rank ``i``, and
     concatenate what arrives into ``output`` (uneven with split sizes)."""
+    rt = _runtime
+    if (not async_op and group is None and rt is not None and rt.logger is None and not rt.debug
+            and not rt.engine.outstanding and isinstance(input, torch.Tensor)
+            and isinstance(output, torch.Tensor) and input.is_cpu and output.is_cpu
+            and input.is_contiguous() and output.is_contiguous()
+            and not (input.data_ptr() < output.data_ptr() + output.nbytes
+                     and output.data_ptr() < input.data_ptr() + input.nbytes)):  # not aliased
+        # The case of MoE token exchange (blocking, contiguous CPU tensors, the
+        # world, nothing outstanding, no debug or logger), without the steps
+        # that are no-ops here: a call right after compute pays for every line
+        # it runs in cache misses (docs/results/cold_calls.md).
+        g = rt.world
+        even = not output_split_sizes and not input_split_sizes
+        key = ("all_to_all_single", input.shape, output.shape, input.dtype, output.dtype, backend, even)
+        plan = g.starters.get(key)
+        if plan is None:  # checks and selection once per shapes, dtype, backend= and split kind
+            plan = g.starters[key] = _all_to_all_plan(rt, g, output, input, backend, even)
+        if plan:
+            name, run, row = plan
+            if even:
+                pending = run(output, input, None, None)
+            else:
+                size = g.size
+                out_rows = _splits("all_to_all_single", "output", output, output_split_sizes, size)
+                in_rows = _splits("all_to_all_single", "input", input, input_split_sizes, size)
+                pending = run(output, input, [r * row for r in out_rows], [r * row for r in in_rows])
+            rt.engine.block("all_to_all_single", name, pending, g, (input,), (output,))
+            return None
+    return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op, backend)
+
+
+def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.Tensor,
+                     backend: Optional[str], even: bool):
+    """(backend name, start, elements per row) for the fast path, or False
+    where the general path must run (ranks must agree on the size first)."""
+    op = "all_to_all_single"
+    _check(op, output, "output")
+    _check(op, input, "input")
+    _same_kind(op, input, output, "output")
+    row = _row(input)
+    if row != _row(output):
+        raise ValueError(f"{op}: input rows have {row} elements but output rows have {_row(output)}")
+    if even:
+        in_rows, out_rows = (_splits(op, what, t, None, g.size) for what, t in (("input", input), ("output", output)))
+        if in_rows != out_rows:
+            raise ValueError(f"{op}: without split sizes input and output need the same rows, got "
+                             f"{sum(in_rows)} and {sum(out_rows)}")
+    if len(g.starters) >= 4096:
+        g.starters.clear()
+    if rt.selector.needs_agreement(op, g.size, backend):
+        return False
+    name = rt.selector.choose(op, input.nbytes, g.size, "cpu", input.dtype, None, backend)
+    be, h = rt.backends[name], g.handles[name]
+    return name, lambda out, inp, oc, ic: be.all_to_all_single(h, out, inp, oc, ic), row
+
+
+def _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op,
+                       backend) -> Optional[Work]:
     op = "all_to_all_single"
     g = _group(group, "all_to_all_single")
     _check(op, output, "output")
@@ -647,7 +705,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                          f"{sum(in_rows)} and {sum(out_rows)}")
     counts = (None, None) if even else (out_counts, in_counts)
     return _submit(op, g, _nbytes(input), input, backend, async_op,
-                   lambda b, h: b.all_to_all_single(h, out.view(-1), inp.view(-1), *counts),
+                   lambda b, h: b.all_to_all_single(h, out, inp, *counts),
                    reads=(input,), writes=(output,), post=post, result=[output],
                    invariant={"row": list(input.shape[1:]), "split sizes": "none" if even else "given"},
                    agree=True, skip_empty=False, counts=in_counts)

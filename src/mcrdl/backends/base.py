@@ -102,7 +102,8 @@ class Backend:
     def all_to_all_single(self, h, output: torch.Tensor, input: torch.Tensor,
                           output_counts: Optional[Sequence[int]],
                           input_counts: Optional[Sequence[int]]) -> Pending:
-        """1-D tensors; counts are element counts per peer, or both None for
+        """Contiguous tensors, split along their flat elements; counts are
+        element counts per peer, or both None for
         an even split (then None on every rank: the caller passed no split
         sizes, which ranks must agree on, as with torch's MPI backend)."""
         raise NotImplementedError

@@ -151,7 +151,7 @@ class TorchBackend(Backend):
         return TorchPending(pg.scatter([output], inputs, opts))
 
     def all_to_all_single(self, pg, output, input, output_counts, input_counts):
-        return TorchPending(pg.alltoall_base(output, input, list(output_counts or ()),
+        return TorchPending(pg.alltoall_base(output.view(-1), input.view(-1), list(output_counts or ()),
                                              list(input_counts or ()), dist.AllToAllOptions()))
 
     def barrier(self, pg):
