@@ -395,29 +395,31 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
     rt = _runtime
-    if (op is _SUM and not async_op and group is None and rt is not None
-            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
-            and not rt.engine.outstanding and rt.logger is None and not rt.debug):
-        # The latency-critical case (blocking SUM of a contiguous CPU tensor on
-        # the world, nothing outstanding, no debug or logger): what the general
-        # path below does for it, without the steps that are no-ops here.
-        g = rt.world
-        nbytes = tensor.nbytes
-        key = (nbytes, tensor.dtype, backend)
-        plan = g.starters.get(key)
-        if plan is None:  # checks, selection and set-up, once per size, dtype and backend=
-            _check("all_reduce", tensor)
-            if tensor.dtype is torch.bool:  # reduced through uint8: the general path
-                return _all_reduce(tensor, op, group, async_op, backend)
-            name = rt.selector.choose("all_reduce", nbytes, g.size, "cpu", tensor.dtype,
-                                      ReduceOp.SUM, backend)
-            if len(g.starters) >= 4096:
-                g.starters.clear()
-            plan = g.starters[key] = (name, rt.backends[name].all_reduce_starter(
-                g.handles[name], tensor.dtype, ReduceOp.SUM))
-        if nbytes:
-            rt.engine.block("all_reduce", plan[0], plan[1](tensor), g, (tensor,))
-        return None
+    if (op is _SUM and not async_op and rt is not None and not rt.debug and not rt.engine.outstanding
+            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()):
+        # The latency-critical case (blocking SUM of a contiguous CPU tensor,
+        # nothing outstanding, no debug): what the general path below does for
+        # it, without the steps that are no-ops here.
+        g = rt.world if group is None else group
+        if type(g) is Group and g.owner is rt and g.rank >= 0:
+            nbytes = tensor.nbytes
+            key = (nbytes, tensor.dtype, backend)
+            plan = g.starters.get(key)
+            if plan is None:  # checks, selection and set-up, once per size, dtype and backend=
+                _check("all_reduce", tensor)
+                if tensor.dtype is torch.bool:  # reduced through uint8: the general path
+                    return _all_reduce(tensor, op, group, async_op, backend)
+                name = rt.selector.choose("all_reduce", nbytes, g.size, "cpu", tensor.dtype,
+                                          ReduceOp.SUM, backend)
+                if len(g.starters) >= 4096:
+                    g.starters.clear()
+                plan = g.starters[key] = (name, rt.backends[name].all_reduce_starter(
+                    g.handles[name], tensor.dtype, ReduceOp.SUM))
+            if nbytes:
+                logger = rt.logger
+                post = () if logger is None else (logger.begin("all_reduce", plan[0], g, nbytes, False),)
+                rt.engine.block("all_reduce", plan[0], plan[1](tensor), g, (tensor,), (), post)
+            return None
     return _all_reduce(tensor, op, group, async_op, backend)
 
 
@@ -622,33 +624,39 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     """Split ``input`` along dim 0, send block ``i`` to group rank ``i``, and
     concatenate what arrives into ``output`` (uneven with split sizes)."""
     rt = _runtime
-    if (not async_op and group is None and rt is not None and rt.logger is None and not rt.debug
-            and not rt.engine.outstanding and isinstance(input, torch.Tensor)
-            and isinstance(output, torch.Tensor) and input.is_cpu and output.is_cpu
-            and input.is_contiguous() and output.is_contiguous()
+    if (not async_op and rt is not None and not rt.debug and not rt.engine.outstanding
+            and isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
+            and input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()
             and not (input.data_ptr() < output.data_ptr() + output.nbytes
                      and output.data_ptr() < input.data_ptr() + input.nbytes)):  # not aliased
-        # The case of MoE token exchange (blocking, contiguous CPU tensors, the
-        # world, nothing outstanding, no debug or logger), without the steps
-        # that are no-ops here: a call right after compute pays for every line
-        # it runs in cache misses (docs/results/cold_calls.md).
-        g = rt.world
-        even = not output_split_sizes and not input_split_sizes
-        key = ("all_to_all_single", input.shape, output.shape, input.dtype, output.dtype, backend, even)
-        plan = g.starters.get(key)
-        if plan is None:  # checks and selection once per shapes, dtype, backend= and split kind
-            plan = g.starters[key] = _all_to_all_plan(rt, g, output, input, backend, even)
-        if plan:
-            name, run, row = plan
-            if even:
-                pending = run(output, input, None, None)
-            else:
-                size = g.size
-                out_rows = _splits("all_to_all_single", "output", output, output_split_sizes, size)
-                in_rows = _splits("all_to_all_single", "input", input, input_split_sizes, size)
-                pending = run(output, input, [r * row for r in out_rows], [r * row for r in in_rows])
-            rt.engine.block("all_to_all_single", name, pending, g, (input,), (output,))
-            return None
+        # The case of MoE token exchange (blocking, contiguous CPU tensors,
+        # nothing outstanding, no debug), without the steps that are no-ops
+        # here: a call right after compute pays for every line it runs in
+        # cache misses (docs/results/cold_calls.md).
+        g = rt.world if group is None else group
+        if type(g) is Group and g.owner is rt and g.rank >= 0:
+            even = not output_split_sizes and not input_split_sizes
+            key = ("all_to_all_single", input.shape, output.shape, input.dtype, output.dtype, backend, even)
+            plan = g.starters.get(key)
+            if plan is None:  # checks and selection once per shapes, dtype, backend= and split kind
+                plan = g.starters[key] = _all_to_all_plan(rt, g, output, input, backend, even)
+            if plan:
+                name, run, row = plan
+                if even:
+                    out_counts = in_counts = None
+                else:
+                    out_rows = _splits("all_to_all_single", "output", output, output_split_sizes, g.size)
+                    in_rows = _splits("all_to_all_single", "input", input, input_split_sizes, g.size)
+                    out_counts, in_counts = [r * row for r in out_rows], [r * row for r in in_rows]
+                logger, post = rt.logger, ()
+                if logger is not None:
+                    elem = input.element_size()
+                    post = (logger.begin("all_to_all_single", name, g, input.nbytes, False, -1,
+                                         [input.nbytes // g.size] * g.size if even
+                                         else [c * elem for c in in_counts]),)
+                rt.engine.block("all_to_all_single", name, run(output, input, out_counts, in_counts), g,
+                                (input,), (output,), post)
+                return None
     return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op, backend)
 
 
@@ -664,7 +672,8 @@ def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.T
     if row != _row(output):
         raise ValueError(f"{op}: input rows have {row} elements but output rows have {_row(output)}")
     if even:
-        in_rows, out_rows = (_splits(op, what, t, None, g.size) for what, t in (("input", input), ("output", output)))
+        in_rows = _splits(op, "input", input, None, g.size)
+        out_rows = _splits(op, "output", output, None, g.size)
         if in_rows != out_rows:
             raise ValueError(f"{op}: without split sizes input and output need the same rows, got "
                              f"{sum(in_rows)} and {sum(out_rows)}")
