@@ -2,23 +2,25 @@
 and MoE workloads on 2 local ranks, several runs each
 (docs/results/model_validation.md):
 
-    .venv/bin/python benchmarks/model_validation.py [--runs 5] [--steps 10] [--warmup 2] [--bench FILE]
+    .venv/bin/python benchmarks/model_validation.py [--runs 8] [--sweeps 3] [--steps 10] [--warmup 2] [--bench FILE ...]
 
 The model is calibrated from bench sweeps only, never from the validation
-runs. First, unless ``--bench`` names a recorded one, a cold sweep
+runs. Unless ``--bench`` names recorded ones, ``--sweeps`` cold sweeps
 (``mcrdl bench --cold``: a compute step before each timed call, as in a
-training step; docs/bench.md) of all_reduce and all_to_all on MPI, written to
-docs/results/model_cold-sweep-2ranks.json. Then each run logs ``--steps``
-steps after ``--warmup`` unlogged ones (examples/model/log_workload.py) and is
-compared with ``mcrdl model --compare-log`` twice: calibrated from the cold
-sweep and from the back-to-back tune sweep docs/results/tune-sweep-2ranks.json
-(backends from docs/results/tuning-2ranks.json). During the sweep and each
-logged run it also measures the CPU time other processes took (all busy CPU time minus the
-run's own): a shared machine makes the ranks wait for CPUs, so runs with
-others above 5 % of the CPUs are reported apart. Writes
-docs/results/model_validation.txt (every comparison table) and .json (per op
-and calibration the prediction; per run the logged and arrival-corrected
-time, the diffs, others' CPU share).
+training step; docs/bench.md) of all_reduce and all_to_all on MPI are
+recorded, one before each of the first runs (so a slow phase of the machine
+spoils one sweep, not all), to docs/results/model_cold-sweep-2ranks-K.json.
+Each run logs ``--steps`` steps after ``--warmup`` unlogged ones
+(examples/model/log_workload.py). Then every run is compared with
+``mcrdl model --compare-log`` twice: calibrated from the median of the cold
+sweeps per size (``--bench`` repeated) and from the back-to-back tune sweep
+docs/results/tune-sweep-2ranks.json (backends from
+docs/results/tuning-2ranks.json). During each sweep and logged run it also
+measures the CPU time other processes took (all busy CPU time minus the
+run's own): runs with others above 5 % of the CPUs are reported apart.
+Writes docs/results/model_validation.txt (every comparison table) and .json
+(per op and calibration the prediction; per run the logged and
+arrival-corrected time, the diffs, others' CPU share).
 """
 import argparse
 import json
@@ -35,9 +37,9 @@ BIN = os.path.join(ROOT, ".venv", "bin")
 RES = os.path.join(ROOT, "docs", "results")
 TABLE = "docs/results/tuning-2ranks.json"
 WARM = "docs/results/tune-sweep-2ranks.json"
-COLD = "docs/results/model_cold-sweep-2ranks.json"
+COLD = "docs/results/model_cold-sweep-2ranks-{}.json"
 SWEEP = ["bench", "-n", "2", "--cold", "--ops", "all_reduce,all_to_all", "--variants", "mpi",
-         "--max-bytes", "1M", "--json", COLD]
+         "--max-bytes", "1M", "--json"]
 QUIET = 0.05  # others' share of the CPUs below which a run counts as quiet
 
 
@@ -62,24 +64,29 @@ def others_share(run) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--runs", type=int, default=8)
+    p.add_argument("--sweeps", type=int, default=3, help="cold sweeps to record (median per size)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--bench", help=f"recorded cold sweep to calibrate from (default: run one, write {COLD})")
+    p.add_argument("--bench", action="append", help="recorded cold sweep(s) to calibrate from "
+                   f"(default: record --sweeps of them, {COLD.format('K')})")
     a = p.parse_args()
+    if a.runs < 1 or (not a.bench and not 1 <= a.sweeps <= a.runs):
+        p.error("need --runs >= 1 and 1 <= --sweeps <= --runs")
     cmd = (f"python benchmarks/model_validation.py --runs {a.runs} --steps {a.steps} --warmup {a.warmup}"
-           + (f" --bench {a.bench}" if a.bench else ""))
-    sweep_others = None
-    if not a.bench:
-        sweep_others = others_share(lambda: subprocess.run([f"{BIN}/mcrdl", *SWEEP], cwd=ROOT, check=True,
-                                                           capture_output=True))
-        print(f"$ mcrdl {' '.join(SWEEP)}: other processes used {sweep_others * 100:.0f}% of the CPUs",
-              flush=True)
-    calibrations = {"cold": a.bench or COLD, "back-to-back": WARM}
-    ops: dict = {}
-    text = []
+           + ("".join(f" --bench {b}" for b in a.bench) if a.bench else f" --sweeps {a.sweeps}"))
+    sweeps, sweep_others = list(a.bench or []), []
+    logs = []
     with tempfile.TemporaryDirectory() as work:
-        for i in range(1, a.runs + 1):
+        for i in range(1, a.runs + 1):  # record: sweeps interleaved with the logged runs
+            if not a.bench and i <= a.sweeps:
+                out = COLD.format(i)
+                share = others_share(lambda: subprocess.run([f"{BIN}/mcrdl", *SWEEP, out], cwd=ROOT,
+                                                            check=True, capture_output=True))
+                sweeps.append(out)
+                sweep_others.append(share)
+                print(f"$ mcrdl {' '.join(SWEEP)} {out}: other processes used {share * 100:.0f}% of the CPUs",
+                      flush=True)
             for w in ("megatron", "moe"):
                 log = os.path.join(work, f"{w}-{i}")
                 env = {**os.environ, "MCRDL_COMMS_LOG": "1", "MCRDL_COMMS_LOG_DIR": log}
@@ -87,47 +94,61 @@ def main() -> int:
                     [f"{BIN}/mcrdl", "run", "-n", "2", "examples/model/log_workload.py", w, "--steps",
                      str(a.steps), "--warmup", str(a.warmup), "--table", TABLE],
                     cwd=ROOT, env=env, check=True, capture_output=True))
-                head = f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs"
-                print(head, flush=True)
-                text.append(head)
-                for calib, bench in calibrations.items():
-                    out = f"{log}-model-{calib}"
-                    rep = subprocess.run([f"{BIN}/mcrdl", "model", f"examples/model/workload_{w}.json",
-                                          "--compare-log", log, "--log-iterations", str(a.steps),
-                                          "--bench", bench, "--table", TABLE, "--out", out],
-                                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
-                    text += [f"-- calibrated from {bench}",
-                             rep[rep.index("prediction vs logged run"):].split("\nwritten:")[0]]
-                    with open(os.path.join(out, "model.json")) as f:
-                        for r in json.load(f)["compare"]:
-                            o = ops.setdefault(f"{w} {r['dim']} {r['op']}", {
-                                "count": r["meas_count"], "pred_s": {}, "runs": {}})
-                            o["pred_s"][calib] = r["pred_s"]
-                            run = o["runs"].setdefault(i, {"others_cpu": others, "logged_s": r["meas_s"],
-                                                           "comm_s": r["meas_comm_s"], "diff_pct": {},
-                                                           "diff_logged_pct": {}})
-                            run["diff_pct"][calib] = r["diff_time_pct"]
-                            run["diff_logged_pct"][calib] = r["diff_logged_time_pct"]
+                print(f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs", flush=True)
+                logs.append((i, w, log, others))
+        calibrations = {"cold": sweeps, "back-to-back": [WARM]}
+        ops: dict = {}
+        text = []
+        for i, w, log, others in logs:  # compare: every run against both calibrations
+            text.append(f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs")
+            for calib, benches in calibrations.items():
+                out = f"{log}-model-{calib}"
+                rep = subprocess.run([f"{BIN}/mcrdl", "model", f"examples/model/workload_{w}.json",
+                                      "--compare-log", log, "--log-iterations", str(a.steps),
+                                      *(x for b in benches for x in ("--bench", b)), "--table", TABLE,
+                                      "--out", out], cwd=ROOT, check=True, capture_output=True,
+                                     text=True).stdout
+                text += [f"-- calibrated from {', '.join(benches)}",
+                         rep[rep.index("prediction vs logged run"):].split("\nwritten:")[0]]
+                with open(os.path.join(out, "model.json")) as f:
+                    for r in json.load(f)["compare"]:
+                        o = ops.setdefault(f"{w} {r['dim']} {r['op']}", {
+                            "count": r["meas_count"], "pred_s": {}, "runs": {}})
+                        o["pred_s"][calib] = r["pred_s"]
+                        run = o["runs"].setdefault(i, {"others_cpu": others, "logged_s": r["meas_s"],
+                                                       "comm_s": r["meas_comm_s"], "diff_pct": {},
+                                                       "diff_logged_pct": {}})
+                        run["diff_pct"][calib] = r["diff_time_pct"]
+                        run["diff_logged_pct"][calib] = r["diff_logged_time_pct"]
     for o in ops.values():
         o["runs"] = list(o["runs"].values())
+    totals = {}  # workload -> per run: predicted and measured communication time over all its ops
+    for w in ("megatron", "moe"):
+        mine = [o for k, o in ops.items() if k.startswith(w + " ")]
+        totals[w] = {"pred_s": {c: sum(o["pred_s"][c] for o in mine) for c in calibrations},
+                     "runs": [{"others_cpu": mine[0]["runs"][j]["others_cpu"],
+                               "comm_s": sum(o["runs"][j]["comm_s"] for o in mine)} for j in range(a.runs)]}
+        for run in totals[w]["runs"]:
+            run["diff_pct"] = {c: (totals[w]["pred_s"][c] - run["comm_s"]) / run["comm_s"] * 100
+                               for c in calibrations}
     with open(os.path.join(RES, "model_validation.txt"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(RES, "model_validation.json"), "w") as f:
-        json.dump({"command": cmd, "calibrations": calibrations, "sweep_others_cpu": sweep_others,
+        json.dump({"command": cmd, "calibrations": calibrations, "sweeps_others_cpu": sweep_others,
                    "quiet_below_others_cpu": QUIET,
-                   "ops": ops}, f, indent=1)
+                   "ops": ops, "totals": totals}, f, indent=1)
         f.write("\n")
     print(f"\n{cmd}\nper op over {a.steps} steps: comm = arrival-corrected; median [min, max] over the "
           f"quiet runs (others < {QUIET * 100:.0f}% of the CPUs), then over all runs")
-    for k, o in ops.items():
+    for k, o in [*ops.items(), *((f"{w} total", t) for w, t in totals.items())]:
         for name, runs in (("quiet", [r for r in o["runs"] if r["others_cpu"] < QUIET]), ("all", o["runs"])):
             if not runs:
                 print(f"{k:24s} {name:5s} no runs")
                 continue
             med = lambda key: statistics.median(r[key] for r in runs) * 1e3
             print(f"{k:24s} {name:5s} {len(runs)} runs: comm {med('comm_s'):.3f} ms "
-                  f"[{min(r['comm_s'] for r in runs) * 1e3:.3f}, {max(r['comm_s'] for r in runs) * 1e3:.3f}], "
-                  f"logged {med('logged_s'):.3f} ms")
+                  f"[{min(r['comm_s'] for r in runs) * 1e3:.3f}, {max(r['comm_s'] for r in runs) * 1e3:.3f}]"
+                  + (f", logged {med('logged_s'):.3f} ms" if "logged_s" in runs[0] else ""))
             for calib in calibrations:
                 d = [r["diff_pct"][calib] for r in runs]
                 print(f"{'':30s} {calib:12s} pred {o['pred_s'][calib] * 1e3:.3f} ms, diff "

@@ -11,6 +11,7 @@ run() { echo "+ $*" | tee -a "$OUT/commands.txt"; "$@"; }
 run $BIN/mcrdl run -n 2 benchmarks/allreduce_latency.py --json $OUT/allreduce_latency.json | tee $OUT/allreduce_latency.txt
 run $BIN/mcrdl run -n 2 benchmarks/selection_overhead.py --json $OUT/selection_overhead.json | tee $OUT/selection_overhead.txt
 run $BIN/mcrdl run -n 2 benchmarks/logger_overhead.py --json $OUT/logger_overhead.json | tee $OUT/logger_overhead.txt
+run $BIN/mcrdl run -n 2 benchmarks/cold_calls.py --rounds 7 --calls 30 --json $OUT/cold_calls.json | tee $OUT/cold_calls.txt
 run $BIN/mcrdl tune -n 2 --out $OUT/tuning-2ranks.json --results $OUT/tune-sweep-2ranks.json \
     --plot $OUT/tune-plots | tee $OUT/tune-2ranks.txt
 run $BIN/mcrdl bench -n 2 --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \

@@ -276,6 +276,29 @@ def test_cost_model_from_bench_picks_fastest_and_follows_table(tmp_path):
         CostModel.from_bench({"format": "nope"})
 
 
+
+def test_cost_model_from_several_sweeps_takes_the_median_per_size(tmp_path):
+    """One sweep taken in a slow phase (3x) does not move the calibration."""
+    docs = [bench_doc({("all_reduce", "mpi"): ab}) for ab in ((5.0, 1e-3), (15.0, 3e-3), (5.2, 1.1e-3))]
+    paths = []
+    for i, d in enumerate(docs):
+        paths.append(tmp_path / f"s{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    one = CostModel.from_bench(docs[2])
+    median = CostModel.from_bench([str(p) for p in paths])
+    for n in (4, 1024, 1 << 20):
+        fit, ref = median.fits[("all_reduce", "mpi")], one.fits[("all_reduce", "mpi")]
+        assert fit.time_us(n, 2) == pytest.approx(ref.time_us(n, 2))
+    assert "3 sweeps" in median.source and "median per size" in median.source
+    other = bench_doc({("all_reduce", "mpi"): (5.0, 1e-3)}, group=4)
+    with pytest.raises(ValueError, match="metadata.world_size: 4 differs"):
+        CostModel.from_bench([docs[0], other])
+    cold = {**docs[1], "metadata": {**docs[1]["metadata"], "mode": "cold"}}
+    with pytest.raises(ValueError, match="metadata.mode: 'cold' differs"):
+        CostModel.from_bench([docs[0], cold])
+    with pytest.raises(ValueError, match="no bench results given"):
+        CostModel.from_bench([])
+
 # -- validation ---------------------------------------------------------------------------
 @pytest.mark.parametrize("sections, message", [
     ({"parallel": {"data": 4}}, r"parallel: pipeline x tensor x data = 1 x 2 x 4 = 8 does not equal cluster.world_size 4"),
