@@ -390,37 +390,68 @@ def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
     return work
 
 
+# -- fast paths ---------------------------------------------------------------------------
+# A blocking op on contiguous CPU tensors, with nothing outstanding and debug mode
+# off, skips the general path's no-op steps (order checks, staging, reduction
+# mapping, aliasing copies): its checks and selection run once per group and
+# plan key (sizes or shapes, dtype, backend=), kept in ``Group.starters``. A
+# call right after compute pays for every line it runs in cache misses
+# (docs/results/cold_calls.md), so these paths matter more in a training step
+# than back to back.
+def _fast_group(rt: Optional[Runtime], group: Optional[Group], async_op: bool,
+                backend: Optional[str]) -> Optional[Group]:
+    """The group a blocking op may take its fast path on, or None (then the
+    general path runs, and reports bad arguments)."""
+    if (async_op or rt is None or rt.debug or rt.engine.outstanding
+            or not (backend is None or type(backend) is str)):
+        return None
+    g = rt.world if group is None else group
+    return g if type(g) is Group and g.owner is rt and g.rank >= 0 else None
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Contiguous ``a`` and ``b`` share no byte (aliased send and receive
+    buffers take the general path, which copies)."""
+    return not (a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes)
+
+
+def _remember(g: Group, key: tuple, plan):
+    """Keep ``plan`` as ``g``'s plan for ``key`` (at most 4096 per group)."""
+    if len(g.starters) >= 4096:
+        g.starters.clear()
+    g.starters[key] = plan
+    return plan
+
+
+def _block(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tuple, nbytes: int,
+           reads, writes, peer: int = -1, counts=None) -> None:
+    """``start(*args)`` a fast-path op (logged as the general path logs it) and wait for it."""
+    logger = rt.logger
+    post = () if logger is None else (logger.begin(op, name, g, nbytes, False, peer, counts),)
+    rt.engine.block(op, name, start(*args), g, reads, writes, post)
+
+
 # -- collectives --------------------------------------------------------------------------
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = None,
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
     rt = _runtime
-    if (op is _SUM and not async_op and rt is not None and not rt.debug and not rt.engine.outstanding
-            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()):
-        # The latency-critical case (blocking SUM of a contiguous CPU tensor,
-        # nothing outstanding, no debug): what the general path below does for
-        # it, without the steps that are no-ops here.
-        g = rt.world if group is None else group
-        if type(g) is Group and g.owner is rt and g.rank >= 0:
-            nbytes = tensor.nbytes
-            key = (nbytes, tensor.dtype, backend)
-            plan = g.starters.get(key)
-            if plan is None:  # checks, selection and set-up, once per size, dtype and backend=
-                _check("all_reduce", tensor)
-                if tensor.dtype is torch.bool:  # reduced through uint8: the general path
-                    return _all_reduce(tensor, op, group, async_op, backend)
-                name = rt.selector.choose("all_reduce", nbytes, g.size, "cpu", tensor.dtype,
-                                          ReduceOp.SUM, backend)
-                if len(g.starters) >= 4096:
-                    g.starters.clear()
-                plan = g.starters[key] = (name, rt.backends[name].all_reduce_starter(
-                    g.handles[name], tensor.dtype, ReduceOp.SUM))
-            if nbytes:
-                logger = rt.logger
-                post = () if logger is None else (logger.begin("all_reduce", plan[0], g, nbytes, False),)
-                rt.engine.block("all_reduce", plan[0], plan[1](tensor), g, (tensor,), (), post)
-            return None
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and op is _SUM and isinstance(tensor, torch.Tensor) and tensor.is_cpu
+            and tensor.is_contiguous() and tensor.dtype is not torch.bool):  # bool: via uint8
+        nbytes = tensor.nbytes
+        key = (nbytes, tensor.dtype, backend)
+        plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend))
+        if nbytes:
+            _block(rt, g, "all_reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,))
+        return None
     return _all_reduce(tensor, op, group, async_op, backend)
+
+
+def _all_reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, backend: Optional[str]):
+    _check("all_reduce", tensor)
+    name = rt.selector.choose("all_reduce", tensor.nbytes, g.size, "cpu", tensor.dtype, ReduceOp.SUM, backend)
+    return name, rt.backends[name].all_reduce_starter(g.handles[name], tensor.dtype, ReduceOp.SUM)
 
 
 def _all_reduce(tensor, op, group, async_op, backend) -> Optional[Work]:
@@ -441,6 +472,16 @@ def _all_reduce(tensor, op, group, async_op, backend) -> Optional[Work]:
 def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
               async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and type(src) is int and isinstance(tensor, torch.Tensor) and tensor.is_cpu
+            and tensor.is_contiguous()):
+        nbytes = tensor.nbytes
+        key = ("broadcast", nbytes, tensor.dtype, backend, src)
+        name, start, root = g.starters.get(key) or _remember(g, key, _broadcast_plan(rt, g, tensor, src, backend))
+        if nbytes:
+            _block(rt, g, "broadcast", name, start, (tensor,), nbytes, (tensor,), (tensor,), root)
+        return None
     g = _group(group, "broadcast")
     _check("broadcast", tensor)
     if g.rank < 0:
@@ -454,6 +495,13 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
                    lambda b, h: b.broadcast(h, t, root), reads=(tensor,), writes=(tensor,),
                    post=post, result=[tensor], invariant=[list(tensor.shape), src], peer=root)
 
+
+def _broadcast_plan(rt: Runtime, g: Group, tensor: torch.Tensor, src: int, backend: Optional[str]):
+    _check("broadcast", tensor)
+    root = _root("broadcast", g, src)
+    name = rt.selector.choose("broadcast", tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
+    be, h = rt.backends[name], g.handles[name]
+    return name, lambda t: be.broadcast(h, t, root), root
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
            async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
@@ -479,6 +527,19 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            backend: Optional[str] = None) -> Optional[Work]:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (dim 0)."""
     op = "all_gather_into_tensor"
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and isinstance(input_tensor, torch.Tensor) and isinstance(output_tensor, torch.Tensor)
+            and input_tensor.is_cpu and output_tensor.is_cpu and input_tensor.is_contiguous()
+            and output_tensor.is_contiguous() and _disjoint(input_tensor, output_tensor)):
+        key = (op, input_tensor.shape, output_tensor.shape, input_tensor.dtype, output_tensor.dtype, backend)
+        name, start = g.starters.get(key) or _remember(
+            g, key, _gather_plan(rt, g, op, output_tensor, input_tensor, backend))
+        nbytes = output_tensor.nbytes
+        if nbytes:
+            _block(rt, g, op, name, start, (output_tensor, input_tensor), nbytes, (input_tensor,),
+                   (output_tensor,))
+        return None
     g = _group(group, "all_gather_into_tensor")
     _check(op, output_tensor, "output_tensor")
     _check(op, input_tensor, "input_tensor")
@@ -498,6 +559,26 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                    reads=(input_tensor,), writes=(output_tensor,), post=post,
                    result=[output_tensor], invariant=list(input_tensor.shape))
 
+
+def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch.Tensor,
+                 backend: Optional[str]):
+    """Fast-path plan of all_gather_into_tensor (``output`` holds ``g.size``
+    inputs) or reduce_scatter_tensor SUM (``input`` holds ``g.size`` outputs)."""
+    gather = op == "all_gather_into_tensor"
+    small, large = (input, output) if gather else (output, input)
+    what = ("input_tensor", "output_tensor") if gather else ("output", "input")
+    _check(op, small, what[0])
+    _check(op, large, what[1])
+    _same_kind(op, small, large, what[1])
+    if large.numel() != small.numel() * g.size:
+        raise ValueError(f"{op}: {what[1]} has {large.numel()} elements, expected "
+                         f"{small.numel()} x {g.size} ranks = {small.numel() * g.size}")
+    name = rt.selector.choose(op, large.nbytes, g.size, "cpu", small.dtype, None if gather else ReduceOp.SUM,
+                              backend)
+    be, h = rt.backends[name], g.handles[name]
+    if gather:
+        return name, lambda out, inp: be.all_gather_into_tensor(h, out, inp)
+    return name, lambda out, inp: be.reduce_scatter_tensor(h, out, inp, ReduceOp.SUM)
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[Group] = None,
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
@@ -523,6 +604,17 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                           backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``input`` across ranks and leave block ``rank`` of it in ``output``."""
     name = "reduce_scatter_tensor"
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and op is _SUM and isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
+            and input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()
+            and input.dtype is not torch.bool and _disjoint(input, output)):  # bool: via uint8
+        key = (name, input.shape, output.shape, input.dtype, output.dtype, backend)
+        chosen, start = g.starters.get(key) or _remember(g, key, _gather_plan(rt, g, name, output, input, backend))
+        nbytes = input.nbytes
+        if nbytes:
+            _block(rt, g, name, chosen, start, (output, input), nbytes, (input,), (output,))
+        return None
     g = _group(group, "reduce_scatter_tensor")
     _check(name, output, "output")
     _check(name, input, "input")
@@ -624,39 +716,29 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     """Split ``input`` along dim 0, send block ``i`` to group rank ``i``, and
     concatenate what arrives into ``output`` (uneven with split sizes)."""
     rt = _runtime
-    if (not async_op and rt is not None and not rt.debug and not rt.engine.outstanding
-            and isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
             and input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()
-            and not (input.data_ptr() < output.data_ptr() + output.nbytes
-                     and output.data_ptr() < input.data_ptr() + input.nbytes)):  # not aliased
-        # The case of MoE token exchange (blocking, contiguous CPU tensors,
-        # nothing outstanding, no debug), without the steps that are no-ops
-        # here: a call right after compute pays for every line it runs in
-        # cache misses (docs/results/cold_calls.md).
-        g = rt.world if group is None else group
-        if type(g) is Group and g.owner is rt and g.rank >= 0:
-            even = not output_split_sizes and not input_split_sizes
-            key = ("all_to_all_single", input.shape, output.shape, input.dtype, output.dtype, backend, even)
-            plan = g.starters.get(key)
-            if plan is None:  # checks and selection once per shapes, dtype, backend= and split kind
-                plan = g.starters[key] = _all_to_all_plan(rt, g, output, input, backend, even)
-            if plan:
-                name, run, row = plan
-                if even:
-                    out_counts = in_counts = None
-                else:
-                    out_rows = _splits("all_to_all_single", "output", output, output_split_sizes, g.size)
-                    in_rows = _splits("all_to_all_single", "input", input, input_split_sizes, g.size)
-                    out_counts, in_counts = [r * row for r in out_rows], [r * row for r in in_rows]
-                logger, post = rt.logger, ()
-                if logger is not None:
-                    elem = input.element_size()
-                    post = (logger.begin("all_to_all_single", name, g, input.nbytes, False, -1,
-                                         [input.nbytes // g.size] * g.size if even
-                                         else [c * elem for c in in_counts]),)
-                rt.engine.block("all_to_all_single", name, run(output, input, out_counts, in_counts), g,
-                                (input,), (output,), post)
-                return None
+            and _disjoint(input, output)):
+        even = not output_split_sizes and not input_split_sizes
+        key = ("all_to_all_single", input.shape, output.shape, input.dtype, output.dtype, backend, even)
+        plan = g.starters.get(key)
+        if plan is None:
+            plan = _remember(g, key, _all_to_all_plan(rt, g, output, input, backend, even))
+        if plan:  # False: ranks must agree on the size first (general path)
+            name, run, row = plan
+            if even:
+                out_counts = in_counts = None
+                counts = [input.nbytes // g.size] * g.size
+            else:
+                out_rows = _splits("all_to_all_single", "output", output, output_split_sizes, g.size)
+                in_rows = _splits("all_to_all_single", "input", input, input_split_sizes, g.size)
+                out_counts, in_counts = [r * row for r in out_rows], [r * row for r in in_rows]
+                elem = input.element_size()
+                counts = [c * elem for c in in_counts]
+            _block(rt, g, "all_to_all_single", name, run, (output, input, out_counts, in_counts),
+                   input.nbytes, (input,), (output,), counts=counts)
+            return None
     return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op, backend)
 
 
@@ -677,8 +759,6 @@ def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.T
         if in_rows != out_rows:
             raise ValueError(f"{op}: without split sizes input and output need the same rows, got "
                              f"{sum(in_rows)} and {sum(out_rows)}")
-    if len(g.starters) >= 4096:
-        g.starters.clear()
     if rt.selector.needs_agreement(op, g.size, backend):
         return False
     name = rt.selector.choose(op, input.nbytes, g.size, "cpu", input.dtype, None, backend)

@@ -79,6 +79,8 @@ class Selector:
             return self._cache[key]
         except KeyError:
             pass
+        except TypeError:  # an unhashable backend=
+            raise TypeError(f"{op}: backend must be a backend name or None, got {explicit!r}") from None
         name = self._choose(op, nbytes, group_size, device, dtype, reduce_op, explicit)
         if len(self._cache) >= 4096:
             self._cache.clear()

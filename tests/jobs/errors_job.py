@@ -101,6 +101,10 @@ def local():
     # backend and device problems, refused on one rank only
     refused(0, mcrdl.UnsupportedError, ["all_reduce", "'foo'"],
             lambda: mcrdl.all_reduce(f(), backend="foo"))
+    refused(1, TypeError, ["all_reduce", "backend must be a backend name", "['mpi']"],
+            lambda: mcrdl.all_reduce(f(), backend=["mpi"]))
+    refused(0, TypeError, ["broadcast", "src", "int"],
+            lambda: mcrdl.broadcast(f(), src=[0]))
     refused(1, mcrdl.UnsupportedError, ["broadcast", "meta"],
             lambda: mcrdl.broadcast(torch.empty(4, device="meta"), src=0))
     refused(0, mcrdl.UnsupportedError, ["all_reduce", "torch.int32", "AVG"],
