@@ -436,15 +436,22 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
     rt = _runtime
-    g = _fast_group(rt, group, async_op, backend)
-    if (g is not None and op is _SUM and isinstance(tensor, torch.Tensor) and tensor.is_cpu
-            and tensor.is_contiguous() and tensor.dtype is not torch.bool):  # bool: via uint8
-        nbytes = tensor.nbytes
-        key = (nbytes, tensor.dtype, backend)
-        plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend))
-        if nbytes:
-            _block(rt, g, "all_reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,))
-        return None
+    # The fast path, with _fast_group and _block inlined for the unlogged
+    # case: about 0.3 us less per call, a fifth of the 4-byte call's overhead.
+    if (op is _SUM and not async_op and rt is not None and not rt.debug and not rt.engine.outstanding
+            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
+            and tensor.dtype is not torch.bool and (backend is None or type(backend) is str)):
+        g = rt.world if group is None else group
+        if type(g) is Group and g.owner is rt and g.rank >= 0:
+            nbytes = tensor.nbytes
+            key = (nbytes, tensor.dtype, backend)
+            plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend))
+            if nbytes:
+                if rt.logger is None:
+                    rt.engine.block("all_reduce", plan[0], plan[1](tensor), g, (tensor,))
+                else:
+                    _block(rt, g, "all_reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,))
+            return None
     return _all_reduce(tensor, op, group, async_op, backend)
 
 
