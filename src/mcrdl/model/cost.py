@@ -244,8 +244,8 @@ class CostModel:
             raise ValueError(f"{path}: metadata.world_size: must be the bench's group size (>= 2), "
                              f"got {shown(group)}")
         for other, _, m in sweeps[1:]:
-            for key, want in (("world_size", group), ("mode", mode_of(meta))):
-                got = m.get("world_size") if key == "world_size" else mode_of(m)
+            for key, got, want in (("world_size", m.get("world_size"), group),
+                                   ("mode", mode_of(m), mode_of(meta))):
                 if got != want:
                     raise ValueError(f"{other}: metadata.{key}: {shown(got)} differs from {path}'s "
                                      f"{shown(want)}; sweeps combined must match")
