@@ -1,5 +1,6 @@
 """Launcher command lines and the CLI (run, info, explain) for real."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,37 @@ def test_srun_and_torchrun_commands():
     cmd = launcher.build_command(2, ["x.py", "a"], "torchrun")
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=2"]
     assert cmd[-2:] == ["x.py", "a"]
+
+
+def test_binding_command_lines():
+    bound = lambda cmd: cmd[cmd.index("-bind-to") + 1] if "-bind-to" in cmd else None
+    assert bound(launcher.build_command(2, ["x.py"])) is None  # default: the OS places ranks
+    assert bound(launcher.build_command(8, ["x.py"], hosts="a,b", bind="core")) == "core"
+    assert "--cpu-bind=cores" in launcher.build_command(2, ["x.py"], "srun", bind="core")
+    assert "--cpu-bind=cores" not in launcher.build_command(2, ["x.py"], "srun")
+    with pytest.raises(ValueError, match="torchrun cannot bind"):
+        launcher.build_command(2, ["x.py"], "torchrun", bind="core")
+    with pytest.raises(ValueError, match="unknown binding 'socket'"):
+        launcher.build_command(2, ["x.py"], bind="socket")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_run_pins_each_rank_to_its_own_core(tmp_path):
+    script = tmp_path / "where.py"
+    script.write_text("import json, os, sys\n"
+                      "path = os.path.join(sys.argv[1], os.environ['PMI_RANK'])\n"
+                      "json.dump(sorted(os.sched_getaffinity(0)), open(path, 'w'))\n")
+
+    def cpus(*bind):
+        out = tmp_path / "_".join(bind or ("default",))
+        out.mkdir()
+        proc = mcrdl_cli("run", "-n", "2", *bind, str(script), str(out))
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads((out / str(r)).read_text()) for r in range(2)]
+
+    pinned = cpus("--bind", "core")
+    assert all(len(c) == 1 for c in pinned) and pinned[0] != pinned[1], pinned
+    assert all(len(c) > 1 for c in cpus())
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -7,8 +7,9 @@ library call without mcrdl (``raw-mpi``: mpi4py on numpy buffers made once;
 is the op's lookup size (docs/tuning-table.md): the full buffer for
 gather-type ops, the bytes each rank sends for all-to-all, the message for p2p.
 
-Method: per (op, size), warm-up, then ``rounds`` rounds that run every variant
-in turn (interleaved, the order rotated each round); each runs ``iters`` calls
+Method: per (op, size), one set of buffers for every variant, warm-up, then
+``rounds`` rounds that run every variant in turn (interleaved, the order
+rotated each round); each runs ``iters`` calls
 (more below 8 KB), each timed alone with a barrier between calls (as OSU, so
 rooted ops cannot pipeline), per-call time = their median (a shared 2-core
 machine deschedules ranks now and then; OSU's mean would carry those spikes).
@@ -89,7 +90,8 @@ class _Case:
     """Buffers and the call for one (op, size, variant); ``check`` verifies a
     result made from exact values."""
 
-    def __init__(self, op: str, nbytes: int, variant: str, world: int, rank: int):
+    def __init__(self, op: str, nbytes: int, variant: str, world: int, rank: int,
+                 buffers: Optional["_Case"] = None):
         self.op, self.variant, self.world, self.rank = op, variant, world, rank
         n = world
         elems = max(nbytes // 4, 0)
@@ -99,35 +101,41 @@ class _Case:
         self.elems = elems
         self.part = elems // n if op in ("all_gather", "reduce_scatter", "gather", "scatter",
                                           "all_to_all") else elems
-        self._setup()
+        self._setup(buffers)
 
     # exact inputs: small integers depending on rank and position
     def _value(self, rank: int, count: int) -> torch.Tensor:
         return ((torch.arange(count) + rank) % 7 + 1).float()
 
-    def _setup(self) -> None:
-        op, rank = self.op, self.rank
-        full = self._value(rank, self.elems)
-        part = self._value(rank, self.part)
-        raw = self.variant.startswith("raw-")
-        if op in ("all_reduce", "broadcast", "reduce", "p2p"):
-            self.inp, self.out = full, full
-        elif op == "all_gather":
-            self.inp, self.out = part, torch.empty(self.elems)
-        elif op == "reduce_scatter":
-            self.inp, self.out = full, torch.empty(self.part)
-        elif op == "gather":
-            self.inp, self.out = part, torch.empty(self.elems) if rank == 0 else None
-        elif op == "scatter":
-            self.inp, self.out = (full if rank == 0 else None), torch.empty(self.part)
-        elif op == "all_to_all":
-            self.inp, self.out = full, torch.empty(self.elems)
-        self.fresh = {k: (v.clone() if v is not None else None) for k, v in
-                      (("inp", self.inp), ("out", self.out))}
-        if raw:
+    def _setup(self, buffers: Optional["_Case"]) -> None:
+        """The buffers of ``buffers`` (another variant's case) if given, else new ones."""
+        if buffers is not None:
+            self.inp, self.out, self.fresh = buffers.inp, buffers.out, buffers.fresh
+        else:
+            self.inp, self.out = self._buffers()
+            self.fresh = {k: (v.clone() if v is not None else None) for k, v in
+                          (("inp", self.inp), ("out", self.out))}
+        if self.variant.startswith("raw-"):
             self.call = self._raw_call()
         else:
             self.call = self._mcrdl_call(None if self.variant == "mcrdl" else self.variant)
+
+    def _buffers(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(input, output) with exact values; the same tensor for in-place ops."""
+        op, rank = self.op, self.rank
+        full = self._value(rank, self.elems)
+        part = self._value(rank, self.part)
+        if op in ("all_reduce", "broadcast", "reduce", "p2p"):
+            return full, full
+        if op == "all_gather":
+            return part, torch.empty(self.elems)
+        if op == "reduce_scatter":
+            return full, torch.empty(self.part)
+        if op == "gather":
+            return part, torch.empty(self.elems) if rank == 0 else None
+        if op == "scatter":
+            return (full if rank == 0 else None), torch.empty(self.part)
+        return full, torch.empty(self.elems)  # all_to_all
 
     def reset(self) -> None:
         """Restore the exact inputs (in-place ops overwrite them while timing)."""
@@ -283,7 +291,11 @@ class Bench:
 
     def measure(self, op: str, nbytes: int) -> list[Result]:
         """All variants at one (op, size), interleaved over rounds."""
-        cases = {v: _Case(op, nbytes, v, self.world, self.rank) for v in self.variants}
+        # every variant on the same buffers: where a buffer lands in memory stays fixed
+        # for the whole measurement and would favour one variant over another
+        first = _Case(op, nbytes, self.variants[0], self.world, self.rank)
+        cases = {v: first if v == first.variant else
+                 _Case(op, nbytes, v, self.world, self.rank, buffers=first) for v in self.variants}
         size = next(iter(cases.values())).nbytes
         checks = {}
         if self.do_check:

@@ -7,6 +7,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
+from .launcher import BINDINGS
 from .tuning import MAX_INT, shown
 
 
@@ -17,7 +18,7 @@ def _cmd_run(args) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     cmd = launcher.build_command(args.nprocs, argv, args.launcher, args.hosts, args.hostfile,
-                                 args.mpiexec, args.extra.split() if args.extra else ())
+                                 args.mpiexec, args.extra.split() if args.extra else (), args.bind)
     if args.dry_run:
         print(" ".join(cmd))
         return 0
@@ -88,7 +89,8 @@ def _relaunch(args, argv: Sequence[str]) -> Optional[int]:
             skip = True
         elif not a.startswith(("-n=", "--nprocs=")) and not (a.startswith("-n") and a[2:].isdigit()):
             rest.append(a)
-    return launcher.run(launcher.build_command(args.nprocs, ["-m", "mcrdl.cli", *rest]))
+    return launcher.run(launcher.build_command(args.nprocs, ["-m", "mcrdl.cli", *rest],
+                                               bind=args.bind))
 
 
 def _sweep_settings(args, quick_sizes, default_max):
@@ -294,6 +296,10 @@ def _count(minimum: int):
     return parse
 
 
+BIND_OPTION = dict(choices=BINDINGS, default="none",
+                   help="core: pin each rank to a core (see docs/results/binding.md)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mcrdl", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -305,6 +311,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--hostfile", help="hostfile (mpiexec -f)")
     r.add_argument("--mpiexec", help="mpiexec to use instead of the mpich wheel's")
     r.add_argument("--extra", help="extra launcher options, quoted")
+    r.add_argument("--bind", **BIND_OPTION)
     r.add_argument("--timeout", type=float, help="kill the job after this many seconds")
     r.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     r.add_argument("program", nargs=argparse.REMAINDER, help="script.py args... | -m module | program")
@@ -327,6 +334,7 @@ def parser() -> argparse.ArgumentParser:
                                ("tune", _cmd_tune, "measure every backend and write a tuning table")):
         c = sub.add_parser(name, help=helptext)
         c.add_argument("-n", "--nprocs", type=_count(1), help="launch this many local ranks (outside a job)")
+        c.add_argument("--bind", **BIND_OPTION)
         c.add_argument("--ops", help="comma-separated ops (default: all)")
         c.add_argument("--sizes", type=_sizes, help="comma-separated sizes, e.g. 4,64K,1M")
         c.add_argument("--max-bytes", type=functools.partial(_size, minimum=4),
