@@ -673,6 +673,23 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
            backend: Optional[str] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
     op = "gather"
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and type(dst) is int and isinstance(tensor, torch.Tensor) and tensor.is_cpu
+            and tensor.is_contiguous()):
+        key = (op, tensor.shape, tensor.dtype, backend, dst)
+        name, start, root = g.starters.get(key) or _remember(g, key, _rooted_plan(rt, g, op, tensor, dst, backend))
+        if g.rank == root:
+            out = _spanning(gather_list, tensor, g.size)
+            if out is not None and _disjoint(out, tensor):
+                if out.nbytes:
+                    _block(rt, g, op, name, start, (out, tensor), out.nbytes, (tensor,), tuple(gather_list), root)
+                return None
+        elif not gather_list:
+            nbytes = tensor.nbytes * g.size
+            if nbytes:
+                _block(rt, g, op, name, start, (None, tensor), nbytes, (tensor,), (), root)
+            return None
     g = _group(group, "gather")
     _check(op, tensor)
     if g.rank < 0:
@@ -699,6 +716,23 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
             backend: Optional[str] = None) -> Optional[Work]:
     """Scatter ``scatter_list[i]`` from global rank ``src`` to group rank ``i``'s ``tensor``."""
     op = "scatter"
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and type(src) is int and isinstance(tensor, torch.Tensor) and tensor.is_cpu
+            and tensor.is_contiguous()):
+        key = (op, tensor.shape, tensor.dtype, backend, src)
+        name, start, root = g.starters.get(key) or _remember(g, key, _rooted_plan(rt, g, op, tensor, src, backend))
+        if g.rank == root:
+            inp = _spanning(scatter_list, tensor, g.size)
+            if inp is not None and _disjoint(inp, tensor):
+                if inp.nbytes:
+                    _block(rt, g, op, name, start, (tensor, inp), inp.nbytes, tuple(scatter_list), (tensor,), root)
+                return None
+        elif not scatter_list:
+            nbytes = tensor.nbytes * g.size
+            if nbytes:
+                _block(rt, g, op, name, start, (tensor, None), nbytes, (), (tensor,), root)
+            return None
     g = _group(group, "scatter")
     _check(op, tensor)
     if g.rank < 0:
@@ -718,6 +752,39 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
                    lambda b, h: b.scatter(h, out.view(-1), flat, root),
                    reads=tuple(scatter_list or ()), writes=(tensor,), post=post, result=[tensor],
                    invariant=[list(tensor.shape), src], peer=root)
+
+
+def _rooted_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, global_root: int,
+                 backend: Optional[str]):
+    """Fast-path plan of gather or scatter: (backend, start(output, input), group root)."""
+    _check(op, tensor)
+    root = _root(op, g, global_root, "dst" if op == "gather" else "src")
+    name = rt.selector.choose(op, tensor.nbytes * g.size, g.size, "cpu", tensor.dtype, None, backend)
+    be, h = rt.backends[name], g.handles[name]
+    run = be.gather if op == "gather" else be.scatter
+    return name, lambda out, inp: run(h, out, inp, root), root
+
+
+def _spanning(parts, like: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+    """One flat tensor over ``parts`` if they are ``n`` contiguous CPU tensors
+    with ``like``'s dtype and size lying back to back in one storage (as
+    ``x.chunk(n)`` makes them), else None: the general path checks and copies."""
+    if type(parts) not in (list, tuple) or len(parts) != n:
+        return None
+    numel, dtype, step = like.numel(), like.dtype, like.nbytes
+    first = parts[0]
+    if not isinstance(first, torch.Tensor) or first.layout is not torch.strided or first.requires_grad:
+        return None
+    base = first.data_ptr()
+    for i, t in enumerate(parts):
+        if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.dtype is not dtype
+                or not t.is_cpu or t.numel() != numel or not t.is_contiguous()
+                or t.data_ptr() != base + i * step):
+            return None
+    try:  # a view of the first part's storage, which must hold them all
+        return first.as_strided((n * numel,), (1,))
+    except RuntimeError:
+        return None
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,

@@ -87,6 +87,28 @@ for backend in backends:
                     out = torch.empty(numel, dtype=dtype)
                     finish(mcrdl.scatter(out, slist, src=root, **kw), async_op)
                     check(torch.equal(out, value(100 + grank, numel, dtype)), tag, "scatter", out)
+                    # the same with the root's list as views of one buffer (the fast path when
+                    # blocking: no packing copy), and with the root's own block aliased (general path)
+                    whole = torch.empty(n, numel, dtype=dtype)
+                    views = list(whole.unbind(0)) if rank == root else None
+                    finish(mcrdl.gather(value(rank, numel, dtype), views, dst=root, **kw), async_op)
+                    if rank == root:
+                        check(torch.equal(whole.view(-1), torch.cat([value(r, numel, dtype) for r in ranks])),
+                              tag, "gather into views")
+                        views[grank].copy_(value(rank, numel, dtype))
+                    finish(mcrdl.gather(views[grank] if rank == root else value(rank, numel, dtype), views,
+                                        dst=root, **kw), async_op)
+                    if rank == root:
+                        check(torch.equal(whole.view(-1), torch.cat([value(r, numel, dtype) for r in ranks])),
+                              tag, "gather of an aliased block")
+                    whole = torch.stack([value(100 + i, numel, dtype) for i in range(n)]) if rank == root else None
+                    out = torch.empty(numel, dtype=dtype)
+                    finish(mcrdl.scatter(out, list(whole.unbind(0)) if rank == root else None, src=root, **kw),
+                           async_op)
+                    check(torch.equal(out, value(100 + grank, numel, dtype)), tag, "scatter from views", out)
+                    if not async_op and numel:
+                        g = group or mcrdl.api._runtime.world
+                        check({"gather", "scatter"} <= {k[0] for k in g.starters}, tag, "no fast-path plan")
                     # all_to_all_single, even and uneven (rank r sends j+r+1 rows to peer j... bounded)
                     inp = value(rank, n * numel, dtype)
                     out = torch.empty(n * numel, dtype=dtype)
