@@ -16,6 +16,9 @@ run $BIN/mcrdl tune -n 2 --out $OUT/tuning-2ranks.json --results $OUT/tune-sweep
     --plot $OUT/tune-plots | tee $OUT/tune-2ranks.txt
 run $BIN/mcrdl bench -n 2 --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \
     --json $OUT/bench-2ranks.json --csv $OUT/bench-2ranks.csv --plot $OUT/bench-plots | tee $OUT/bench-2ranks.txt
+run $BIN/mcrdl bench -n 2 --bind core --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \
+    --json $OUT/bench-2ranks-pinned.json --csv $OUT/bench-2ranks-pinned.csv | tee $OUT/bench-2ranks-pinned.txt
+run $BIN/python benchmarks/binding.py --repeats 3 --json $OUT/binding.json | tee $OUT/binding.txt
 if [ -f benchmarks/fusion.py ]; then
   run $BIN/mcrdl run -n 2 benchmarks/fusion.py --json $OUT/fusion.json | tee $OUT/fusion.txt
 fi
