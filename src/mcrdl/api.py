@@ -673,23 +673,8 @@ def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = Non
            backend: Optional[str] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
     op = "gather"
-    rt = _runtime
-    g = _fast_group(rt, group, async_op, backend)
-    if (g is not None and type(dst) is int and isinstance(tensor, torch.Tensor) and tensor.is_cpu
-            and tensor.is_contiguous()):
-        key = (op, tensor.shape, tensor.dtype, backend, dst)
-        name, start, root = g.starters.get(key) or _remember(g, key, _rooted_plan(rt, g, op, tensor, dst, backend))
-        if g.rank == root:
-            out = _spanning(gather_list, tensor, g.size)
-            if out is not None and _disjoint(out, tensor):
-                if out.nbytes:
-                    _block(rt, g, op, name, start, (out, tensor), out.nbytes, (tensor,), tuple(gather_list), root)
-                return None
-        elif not gather_list:
-            nbytes = tensor.nbytes * g.size
-            if nbytes:
-                _block(rt, g, op, name, start, (None, tensor), nbytes, (tensor,), (), root)
-            return None
+    if _rooted_fast(op, tensor, gather_list, dst, group, async_op, backend):
+        return None
     g = _group(group, "gather")
     _check(op, tensor)
     if g.rank < 0:
@@ -716,23 +701,8 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
             backend: Optional[str] = None) -> Optional[Work]:
     """Scatter ``scatter_list[i]`` from global rank ``src`` to group rank ``i``'s ``tensor``."""
     op = "scatter"
-    rt = _runtime
-    g = _fast_group(rt, group, async_op, backend)
-    if (g is not None and type(src) is int and isinstance(tensor, torch.Tensor) and tensor.is_cpu
-            and tensor.is_contiguous()):
-        key = (op, tensor.shape, tensor.dtype, backend, src)
-        name, start, root = g.starters.get(key) or _remember(g, key, _rooted_plan(rt, g, op, tensor, src, backend))
-        if g.rank == root:
-            inp = _spanning(scatter_list, tensor, g.size)
-            if inp is not None and _disjoint(inp, tensor):
-                if inp.nbytes:
-                    _block(rt, g, op, name, start, (tensor, inp), inp.nbytes, tuple(scatter_list), (tensor,), root)
-                return None
-        elif not scatter_list:
-            nbytes = tensor.nbytes * g.size
-            if nbytes:
-                _block(rt, g, op, name, start, (tensor, None), nbytes, (), (tensor,), root)
-            return None
+    if _rooted_fast(op, tensor, scatter_list, src, group, async_op, backend):
+        return None
     g = _group(group, "scatter")
     _check(op, tensor)
     if g.rank < 0:
@@ -752,6 +722,35 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = N
                    lambda b, h: b.scatter(h, out.view(-1), flat, root),
                    reads=tuple(scatter_list or ()), writes=(tensor,), post=post, result=[tensor],
                    invariant=[list(tensor.shape), src], peer=root)
+
+
+def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], async_op: bool,
+                 backend: Optional[str]) -> bool:
+    """The fast path of gather (``parts``: the root's gather_list) or scatter
+    (its scatter_list); False when the general path must run the call."""
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend)
+    if not (g is not None and type(global_root) is int and isinstance(tensor, torch.Tensor)
+            and tensor.is_cpu and tensor.is_contiguous()):
+        return False
+    key = (op, tensor.shape, tensor.dtype, backend, global_root)
+    name, start, root = g.starters.get(key) or _remember(
+        g, key, _rooted_plan(rt, g, op, tensor, global_root, backend))
+    whole, blocks = None, ()
+    if g.rank == root:
+        whole = _spanning(parts, tensor, g.size)
+        if whole is None or not _disjoint(whole, tensor):
+            return False
+        blocks = tuple(parts)
+    elif parts:
+        return False
+    nbytes = tensor.nbytes * g.size
+    if nbytes:
+        if op == "gather":
+            _block(rt, g, op, name, start, (whole, tensor), nbytes, (tensor,), blocks, root)
+        else:
+            _block(rt, g, op, name, start, (tensor, whole), nbytes, blocks, (tensor,), root)
+    return True
 
 
 def _rooted_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, global_root: int,
