@@ -70,6 +70,8 @@ def test_bench_json_metadata(bench_doc):
     meta = bench_doc["metadata"]
     assert meta["world_size"] == 2
     assert meta["hosts"] == [socket.gethostname()]
+    everywhere = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert meta["rank_cpus"] == [everywhere] * 2  # not pinned by default
     v = meta["versions"]
     assert v["torch"] == torch.__version__ and v["mpi4py"] == mpi4py.__version__
     assert v["mpi"] and v["gloo"]
@@ -287,14 +289,18 @@ def test_bench_cli_exits_nonzero_when_a_check_fails():
 
 # -- cold mode -------------------------------------------------------------------------------
 def test_bench_cold_mode_is_recorded_and_fitted(tmp_path):
+    """(Launched with --bind core: the ranks' CPUs are recorded.)"""
     from mcrdl.model import CostModel
 
     out = tmp_path / "cold.json"
-    ok(mcrdl_cli("bench", "-n", "2", "--cold", "--variants", "mpi", "--ops", "all_reduce",
+    ok(mcrdl_cli("bench", "-n", "2", "--bind", "core", "--cold", "--variants", "mpi", "--ops", "all_reduce",
                  "--sizes", "4,64K", "--iters", "2", "--large-iters", "2", "--rounds", "1",
                  "--warmup", "1", "--check", "--json", out))
     results, meta = bench.load_json(out)
     assert meta["mode"] == "cold" and meta["cold_step"] == bench.COLD_STEP
+    if len(os.sched_getaffinity(0)) >= 2:
+        cpus = meta["rank_cpus"]
+        assert len(set(cpus)) == 2 and all("," not in c for c in cpus), cpus
     assert [(r.bytes, r.check) for r in results] == [(4, "ok"), (65536, "ok")]
     assert CostModel.from_bench(out).source.endswith(", cold calls)")
 

@@ -369,7 +369,9 @@ def metadata(settings: dict, mode: str = "back-to-back") -> dict:
     import mpi4py
 
     hosts = sorted(set(_allgather_str(socket.gethostname())))
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     return {"hosts": hosts, "world_size": api.get_world_size(),
+            "rank_cpus": _allgather_str(cpus),  # per rank: the CPUs it may run on (pinned or not)
             "versions": {"mcrdl": __import__("mcrdl").__version__, "torch": torch.__version__,
                          "mpi4py": mpi4py.__version__, **api.get_backend_versions()},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

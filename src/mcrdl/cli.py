@@ -297,7 +297,7 @@ def _count(minimum: int):
 
 
 BIND_OPTION = dict(choices=BINDINGS, default="none",
-                   help="core: pin each rank to a core (see docs/results/binding.md)")
+                   help="core: pin each launched rank to a core (docs/results/binding.md)")
 
 
 def parser() -> argparse.ArgumentParser:
