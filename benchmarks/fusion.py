@@ -79,7 +79,7 @@ def main() -> int:
     mcrdl.init_process_group()
     fusion_buffer_pool().max_bytes = parse_bytes(args.pool_bytes)
     rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-    live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+    live = mcrdl.live_backends("cpu")
     sizes = make_sizes(args.tensors, lo, hi, args.seed)
     total_bytes = 4 * sum(sizes)
     tensors = [torch.zeros(n) for n in sizes]

@@ -70,8 +70,7 @@ def test_bench_json_metadata(bench_doc):
     meta = bench_doc["metadata"]
     assert meta["world_size"] == 2
     assert meta["hosts"] == [socket.gethostname()]
-    everywhere = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    assert meta["rank_cpus"] == [everywhere] * 2  # not pinned by default
+    assert len(meta["rank_cpus"]) == 2 and all(meta["rank_cpus"])  # each rank's CPUs, e.g. "0,1"
     v = meta["versions"]
     assert v["torch"] == torch.__version__ and v["mpi4py"] == mpi4py.__version__
     assert v["mpi"] and v["gloo"]

@@ -49,7 +49,8 @@ def test_binding_command_lines():
 def test_run_pins_each_rank_to_its_own_core(tmp_path):
     script = tmp_path / "where.py"
     script.write_text("import json, os, sys\n"
-                      "path = os.path.join(sys.argv[1], os.environ['PMI_RANK'])\n"
+                      "rank = os.environ.get('PMI_RANK') or os.environ['OMPI_COMM_WORLD_RANK']\n"
+                      "path = os.path.join(sys.argv[1], rank)\n"
                       "json.dump(sorted(os.sched_getaffinity(0)), open(path, 'w'))\n")
 
     def cpus(*bind):
@@ -61,7 +62,9 @@ def test_run_pins_each_rank_to_its_own_core(tmp_path):
 
     pinned = cpus("--bind", "core")
     assert all(len(c) == 1 for c in pinned) and pinned[0] != pinned[1], pinned
-    assert all(len(c) > 1 for c in cpus())
+    version = subprocess.run([launcher.find_mpiexec(), "--version"], capture_output=True, text=True).stdout
+    if "HYDRA" in version:  # MPICH's launcher places nothing itself (Open MPI's binds by default)
+        assert all(len(c) > 1 for c in cpus())
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -97,13 +100,14 @@ def test_torchrun_launch_without_mpi():
     proc = mcrdl_cli("run", "--launcher", "torchrun", "-n", "2", "examples/hello.py", timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mpi   not live: the job was not started by an MPI launcher" in proc.stdout
-    assert proc.stdout.count("gloo  all_reduce -> [3.0, 3.0, 3.0, 3.0]") == 2
+    assert proc.stdout.count("gloo  all_reduce on cpu -> [3.0, 3.0, 3.0, 3.0]") == 2
 
 
 def test_info_lists_backends():
     proc = mcrdl_cli("info")
     assert proc.returncode == 0, proc.stderr
-    assert "mpi" in proc.stdout and "live" in proc.stdout and "MPICH" in proc.stdout
+    assert "mpi" in proc.stdout and "live" in proc.stdout
+    assert "MPICH" in proc.stdout or "Open MPI" in proc.stdout  # the library mpi4py loaded
 
 
 def test_explain_follows_precedence(tmp_path):

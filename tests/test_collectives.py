@@ -19,7 +19,7 @@ def test_hello_example():
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "120",
                            str(hello)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("all_reduce -> [3.0, 3.0, 3.0, 3.0]") == 4  # 2 ranks x mpi, gloo
+    assert proc.stdout.count("all_reduce on cpu -> [3.0, 3.0, 3.0, 3.0]") == 4  # 2 ranks x mpi, gloo
 
 
 def test_backend_added_by_one_module():

@@ -149,6 +149,16 @@ def test_default_backend_not_live_at_init(uninitialized):
     assert not mcrdl.is_initialized()
 
 
+def test_launcher_and_mpi_library_that_disagree_on_the_world(uninitialized, monkeypatch):
+    """A foreign launcher's size (here Open MPI's variable over MPICH) must not leave
+    every rank running alone as rank 0 of a 1-rank world."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with refused(RuntimeError, "started 2 processes", "OMPI_COMM_WORLD_SIZE=2", "world of 1",
+                 "different implementations", "--mpiexec"):
+        mcrdl.init_process_group(timeout=30)
+    assert not mcrdl.is_initialized()
+
+
 def test_unknown_default_backend_at_init(uninitialized):
     with refused(ValueError, "default backend", "'foo'", "not a registered backend"):
         mcrdl.init_process_group(default_backend="foo", timeout=30)

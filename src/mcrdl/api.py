@@ -119,6 +119,11 @@ def available_backends() -> dict[str, str]:
             for name in REGISTRY}
 
 
+def live_backends(device: str = "cpu") -> list[str]:
+    """The live backends that take tensors on ``device`` (``"cpu"``, ``"cuda"``)."""
+    return [name for name, b in _rt().backends.items() if device in b.devices]
+
+
 def get_backend_versions() -> dict[str, str]:
     return {name: b.version() for name, b in _rt().backends.items()}
 

@@ -146,13 +146,13 @@ def _cmd_bench(args, argv) -> int:
     mcrdl = _init_for_tools(args)
     try:
         rank = mcrdl.get_rank()
-        live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+        live = mcrdl.live_backends("cpu")  # the sweeps' tensors are on the CPU
         variants = (args.variants.split(",") if args.variants else
                     live + ["mcrdl"] + [f"raw-{b}" for b in ("mpi", "gloo") if b in live])
         unknown = [v for v in variants if v not in live + ["mcrdl", "raw-mpi", "raw-gloo"]
                    or (v.startswith("raw-") and v[4:] not in live)]
         if unknown:
-            raise ValueError(f"unknown or not live variants {unknown} (live backends: {live})")
+            raise ValueError(f"unknown or not live variants {unknown} (live backends for CPU tensors: {live})")
         ops = _ops(args)
         sizes = _sweep_settings(args, [4, 1024, 65536, 1 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
@@ -197,11 +197,11 @@ def _cmd_tune(args, argv) -> int:
     mcrdl = _init_for_tools(args)
     try:
         rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-        live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+        live = mcrdl.live_backends("cpu")  # the sweeps' tensors are on the CPU
         backends = args.backends.split(",") if args.backends else live
         bad = [b for b in backends if b not in live]
         if bad:
-            raise ValueError(f"--backends {bad} are not live backends (live: {', '.join(live)})")
+            raise ValueError(f"--backends {bad} are not live backends for CPU tensors (live: {', '.join(live)})")
         ops = _ops(args)
         sizes = _sweep_settings(args, [4, 256, 4096, 65536, 1 << 20, 4 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)

@@ -141,6 +141,25 @@ def _abort_mpi_job(comm) -> None:
     comm.Abort(1)
 
 
+#: Environment variables in which launchers give the number of processes they started.
+LAUNCH_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def _check_launch_size(world_size: int, MPI) -> None:
+    """A launcher of one MPI implementation (say MPICH's Hydra) starting ranks
+    whose mpi4py loaded another (say Open MPI) makes each rank a world of its
+    own: every rank would run alone, believing it is rank 0. Refuse that."""
+    for var in LAUNCH_SIZE_VARS:
+        launched = os.environ.get(var, "")
+        if launched.isdigit() and int(launched) != world_size:
+            library = MPI.Get_library_version().strip().splitlines()[0]
+            raise RuntimeError(
+                f"the launcher started {launched} processes ({var}={launched}) but MPI reports a world "
+                f"of {world_size}: the launcher and the MPI library mpi4py loaded ({library}) are "
+                "different implementations. Launch with that library's mpiexec (mcrdl run --mpiexec "
+                "PATH), or make mpi4py load the launcher's MPI")
+
+
 class Runtime:
     """Everything one initialised job holds. Created by
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
@@ -219,6 +238,7 @@ class Runtime:
             MPI = import_mpi()
             self.mpi_comm = MPI.COMM_WORLD
             self.rank, self.world_size = self.mpi_comm.Get_rank(), self.mpi_comm.Get_size()
+            _check_launch_size(self.world_size, MPI)
             local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
             self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
             local.Free()

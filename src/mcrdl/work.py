@@ -353,12 +353,11 @@ class Engine:
         with self._lock:
             works, self.outstanding = self.outstanding, []
             for work in works:
-                if not work._done:
+                if not work._done:  # (abandoned ones were withdrawn once already: not again)
+                    work._pending.cancel()
                     self._abandoned.append((work._pending, work._reads, work._writes, work._result))
                     work._finish(CommError(f"{work.op} on backend '{work.backend}': the process "
                                            "group was destroyed before it completed"))
-            for pending, *_ in self._abandoned:
-                pending.cancel()
         deadline = time.monotonic() + 0.5
         while self._abandoned and time.monotonic() < deadline:
             self._test_abandoned()

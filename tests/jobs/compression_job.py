@@ -10,7 +10,7 @@ from mcrdl.features.compression import (BF16Compressor, FP16Compressor, Int8Comp
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+live = mcrdl.live_backends("cpu")
 count = 0
 F64 = torch.float64
 UNIT = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.float16: 2.0 ** -11,

@@ -1,4 +1,4 @@
-"""CUDA paths (needs >= 2 GPUs on the node): NCCL ops, and program order between
+"""CUDA paths (one GPU per rank): NCCL ops, and program order between
 NCCL work and a CPU backend on data produced by CUDA kernels."""
 import torch
 

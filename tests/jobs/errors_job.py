@@ -17,7 +17,7 @@ mcrdl.init_process_group(timeout=30)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 check(world == 2, "errors_job needs 2 ranks, got", world)
 peer = 1 - rank
-live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+live = mcrdl.live_backends("cpu")
 rounds = 0
 
 

@@ -10,7 +10,7 @@ from mcrdl.features.fusion import (all_gather_coalesced, all_reduce_coalesced, b
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-live = [n for n, s in mcrdl.available_backends().items() if s == "live"]
+live = mcrdl.live_backends("cpu")
 BUCKET = 4096  # small: some tensors are bigger than a bucket, several buckets per dtype
 count = 0
 

@@ -9,7 +9,7 @@ from common import DTYPES, FLOATS, check, reduced, value
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-backends = sys.argv[1:] or [n for n, s in mcrdl.available_backends().items() if s == "live"]
+backends = sys.argv[1:] or mcrdl.live_backends("cpu")
 groups = [(None, list(range(world)))]
 if world >= 4:
     sub_ranks = [1, 3]

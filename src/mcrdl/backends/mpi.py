@@ -60,6 +60,8 @@ class MPIP2PPending(MPIPending):
     __slots__ = ()
 
     def cancel(self) -> None:
+        if not self.req:  # completed and freed (MPI_REQUEST_NULL): cancelling it is
+            return        # erroneous, and Open MPI may crash instead of raising
         try:
             self.req.Cancel()
         except Exception:  # already matched or completed: nothing to withdraw
