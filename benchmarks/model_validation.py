@@ -38,7 +38,7 @@ RES = os.path.join(ROOT, "docs", "results")
 TABLE = "docs/results/tuning-2ranks.json"
 WARM = "docs/results/tune-sweep-2ranks.json"
 COLD = "docs/results/model_cold-sweep-2ranks-{}.json"
-SWEEP = ["bench", "-n", "2", "--cold", "--ops", "all_reduce,all_to_all", "--variants", "mpi",
+SWEEP = ["bench", "-n", "2", "--cold", "--ops", "all_reduce,all_to_all,all_to_allv", "--variants", "mpi",
          "--max-bytes", "1M", "--json"]
 QUIET = 0.05  # others' share of the CPUs below which a run counts as quiet
 

@@ -143,11 +143,13 @@ def test_moe_all_to_all_padded_is_exact_and_uniform_is_capped():
     d = moe_dispatch(cfg)
     assert d["capacity"] == C and d["local_fraction"] == 1 / 4
     (a2a,) = by(stage_traffic(cfg, 0), "ep")
+    assert a2a.op == "all_to_all"  # padded: even blocks, no split sizes
     assert a2a.message_bytes == 4 * (8 // 4) * C * 64 * 2  # e peers x E/e experts x C x h x B
     assert a2a.bytes_per_iteration == pytest.approx(a2a.count * 3 / 4 * a2a.message_bytes)
     assert a2a.count == 4 * 2 * cfg.micro_batches  # 2 MoE layers, dispatch+combine, fwd+bwd
     uni = make(model={"moe": {**moe, "dispatch": "uniform"}}, parallel={"tensor": 1, "data": 4, "expert": 4})
     du = moe_dispatch(uni)
+    assert [x.op for x in by(stage_traffic(uni, 0), "ep")] == ["all_to_allv"]  # routed: split sizes
     assert du["tokens_per_expert"] < T * 2 / 8 <= C  # capping only removes tokens
     assert du["tokens_per_expert"] > 0.95 * T * 2 / 8
     # expert gradients are all-reduced over the expert-data group (d / e = 1: none here)
@@ -275,6 +277,23 @@ def test_cost_model_from_bench_picks_fastest_and_follows_table(tmp_path):
     with pytest.raises(ValueError, match="mcrdl-bench/1"):
         CostModel.from_bench({"format": "nope"})
 
+
+
+def test_all_to_allv_uses_its_own_fit_else_all_to_alls(tmp_path):
+    even = {("all_to_all", "mpi"): (5.0, 1e-3), ("all_to_all", "gloo"): (200.0, 1e-4)}
+    cost = CostModel.from_bench(bench_doc(even))
+    v = cost.choose("all_to_allv", 65536, 2)
+    assert v.time_us == pytest.approx(cost.choose("all_to_all", 65536, 2).time_us)
+    assert v.fit.op == "all_to_allv" and "no all_to_allv measured" in v.fit.source
+    measured = CostModel.from_bench(bench_doc({**even, ("all_to_allv", "mpi"): (8.0, 2e-3)}))
+    assert measured.choose("all_to_allv", 65536, 2).time_us == pytest.approx(8.0 + 2e-3 * 65536)
+    # the table's all_to_all rules choose for both forms
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"format": "mcrdl-tuning/1", "rules": {"all_to_all": {"2": [
+        {"max_bytes": None, "backend": "gloo"}]}}}))
+    measured.load_table(str(table))
+    ch = measured.choose("all_to_allv", 64, 2)
+    assert (ch.backend, ch.reason) == ("gloo", "tuning table")
 
 
 def test_cost_model_from_several_sweeps_takes_the_median_per_size(tmp_path):

@@ -311,9 +311,27 @@ def test_default_sizes():
     assert bench.default_sizes(3) == []
 
 
-def test_bench_ops_are_the_selection_classes_without_barrier():
+def test_bench_ops_are_the_selection_classes_without_barrier_and_all_to_allv():
     assert "barrier" not in bench.BENCH_OPS
-    assert set(bench.BENCH_OPS) | {"barrier"} == set(mcrdl.tuning.SELECT_OPS)
+    assert set(bench.BENCH_OPS) | {"barrier"} == set(mcrdl.tuning.SELECT_OPS) | {"all_to_allv"}
+    assert mcrdl.tuning.OP_CLASS["all_to_allv"] == "all_to_all"
+
+
+def test_both_all_to_all_forms_decide_one_rule_on_their_summed_times():
+    """all_to_all and all_to_allv share the table's all_to_all rules: a
+    backend far ahead in one form and a little behind in the other wins."""
+    results = (sweep("all_to_all", {4: {"mpi": 10, "gloo": 12}, 1024: {"mpi": 10, "gloo": 30}})
+               + sweep("all_to_allv", {4: {"mpi": 30, "gloo": 12}, 1024: {"mpi": 11, "gloo": 30}}))
+    d = tune.decide(results, BACKENDS)
+    assert set(d) == {"all_to_all"}
+    assert d["all_to_all"] == [(4, "gloo", pytest.approx(40 / 24 - 1)), (1024, "mpi", pytest.approx(60 / 21 - 1))]
+    table = tune.make_table(results, BACKENDS, 2, META)
+    assert set(table["rules"]) == {"all_to_all"}
+    gains = tune.gains(results, table, BACKENDS)
+    assert set(gains) == {"all_to_all", "all_to_allv"}
+    # a backend measured in only one form at a size does not compete there
+    one = sweep("all_to_all", {4: {"mpi": 10, "gloo": 1}}) + sweep("all_to_allv", {4: {"mpi": 10}})
+    assert tune.decide(one, BACKENDS)["all_to_all"] == [(4, "mpi", 0.0)]
 
 
 def test_human_sizes():

@@ -6,6 +6,9 @@ library call without mcrdl (``raw-mpi``: mpi4py on numpy buffers made once;
 ``raw-gloo``: ``torch.distributed`` on its own gloo group). Message size ``S``
 is the op's lookup size (docs/tuning-table.md): the full buffer for
 gather-type ops, the bytes each rank sends for all-to-all, the message for p2p.
+``all_to_allv`` is ``all_to_all_single`` with split sizes (even ones; the form
+MoE dispatch calls, MPI ``Alltoallv``); ``all_to_all`` passes none (MPI
+``Alltoall``). Both are selected as ``all_to_all`` (one tuning-table entry).
 
 Method: per (op, size), one set of buffers for every variant, warm-up, then
 ``rounds`` rounds that run every variant in turn (interleaved, the order
@@ -39,11 +42,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import api
-from .tuning import SELECT_OPS, is_int, is_number, key_path, read_json, shown
+from .tuning import OP_CLASS, SELECT_OPS, is_int, is_number, key_path, read_json, shown
 
 FORMAT = "mcrdl-bench/1"
-#: Ops the bench knows (selection classes without barrier).
-BENCH_OPS = tuple(op for op in SELECT_OPS if op != "barrier")
+#: Ops the bench knows: the selection classes but barrier, and all_to_all with split sizes.
+BENCH_OPS = tuple(x for op in SELECT_OPS if op != "barrier"
+                  for x in ((op, "all_to_allv") if op == "all_to_all" else (op,)))
+#: Ops whose buffers are ``world`` blocks.
+_BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all", "all_to_allv")
 SMALL = 8192  # bytes: below this, more iterations (as OSU)
 MODES = ("back-to-back", "cold")
 #: The compute before each call in cold mode (on one torch thread per rank).
@@ -54,7 +60,7 @@ def busbw_factor(op: str, n: int) -> float:
     """nccl-tests bus bandwidth factor for an op on ``n`` ranks."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+    if op in _BLOCKED:
         return (n - 1) / n
     return 1.0
 
@@ -95,12 +101,11 @@ class _Case:
         self.op, self.variant, self.world, self.rank = op, variant, world, rank
         n = world
         elems = max(nbytes // 4, 0)
-        if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
+        if op in _BLOCKED:
             elems = max(elems // n, 1) * n  # divisible into n blocks
         self.nbytes = elems * 4
         self.elems = elems
-        self.part = elems // n if op in ("all_gather", "reduce_scatter", "gather", "scatter",
-                                          "all_to_all") else elems
+        self.part = elems // n if op in _BLOCKED else elems
         self._setup(buffers)
 
     # exact inputs: small integers depending on rank and position
@@ -163,6 +168,9 @@ class _Case:
             return lambda: api.scatter(out, chunks, 0, **kw)
         if op == "all_to_all":
             return lambda: api.all_to_all_single(out, inp, **kw)
+        if op == "all_to_allv":
+            splits = [self.part] * self.world
+            return lambda: api.all_to_all_single(out, inp, splits, splits, **kw)
         return self._pingpong(lambda t, peer: api.send(t, peer, **kw),
                               lambda t, peer: api.recv(t, peer, **kw))
 
@@ -193,6 +201,11 @@ class _Case:
                 "scatter": lambda: comm.Scatter(inp, out, 0),
                 "all_to_all": lambda: comm.Alltoall(inp, out),
             }
+            if op == "all_to_allv":
+                counts = [self.part] * n
+                displs = [i * self.part for i in range(n)]
+                send, recv = [inp, counts, displs, MPI.FLOAT], [out, counts, displs, MPI.FLOAT]
+                return lambda: comm.Alltoallv(send, recv)
             if op == "p2p":
                 return self._pingpong(lambda t, p: comm.Send(inp, p), lambda t, p: comm.Recv(inp, p))
             return calls[op]
@@ -208,6 +221,7 @@ class _Case:
             "gather": lambda: dist.gather(inp, list(out.chunk(n)) if out is not None else None, 0),
             "scatter": lambda: dist.scatter(out, list(inp.chunk(n)) if inp is not None else None, 0),
             "all_to_all": lambda: dist.all_to_all_single(out, inp),
+            "all_to_allv": lambda: dist.all_to_all_single(out, inp, [self.part] * n, [self.part] * n),
         }
         if op == "p2p":
             return self._pingpong(lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p))
@@ -234,7 +248,7 @@ class _Case:
             return rank != 0 or torch.equal(self.out, torch.cat(parts))
         if op == "scatter":
             return torch.equal(self.out, vals[0][rank * self.part:(rank + 1) * self.part])
-        if op == "all_to_all":
+        if op in ("all_to_all", "all_to_allv"):
             return torch.equal(self.out, torch.cat([v[rank * self.part:(rank + 1) * self.part] for v in vals]))
         if op == "p2p":  # after a ping-pong rank 0 and 1 hold rank 0's... then 1's echo
             return rank > 1 or torch.equal(self.inp, vals[0])
@@ -354,7 +368,7 @@ class Bench:
 def _selected(op: str, nbytes: int) -> str:
     """The backend mcrdl's selection picks for this benchmark's call."""
     rt = api._rt()
-    return rt.selector.choose(op, nbytes, rt.world.size, "cpu", torch.float32, None, None)
+    return rt.selector.choose(OP_CLASS[op], nbytes, rt.world.size, "cpu", torch.float32, None, None)
 
 
 def human(nbytes: int) -> str:

@@ -5,6 +5,7 @@ import os
 from typing import Optional, Sequence
 
 from .bench import Result, human
+from .tuning import OP_CLASS
 
 
 def plot_ops(results: Sequence[Result], outdir: str, table: Optional[dict] = None,
@@ -30,8 +31,8 @@ def plot_ops(results: Sequence[Result], outdir: str, table: Optional[dict] = Non
             line, = ax.plot([r.bytes for r in rs], [r.max_us for r in rs], style, marker="o",
                             markersize=3, linewidth=width, label=variant)
             colors[variant] = line.get_color()
-        if table is not None and op in table["rules"]:
-            rules = next(iter(table["rules"][op].values()))
+        if table is not None and OP_CLASS[op] in table["rules"]:
+            rules = next(iter(table["rules"][OP_CLASS[op]].values()))
             sizes = sorted({r.bytes for rs in by_variant.values() for r in rs})
             low = sizes[0] / 1.5
             for rule in rules:

@@ -6,24 +6,40 @@ winner keeps it unless the new one is faster by more than ``margin`` (no
 flipping on noise). Adjacent sizes with one winner merge into one range whose
 ``max_bytes`` is its largest measured size; the last range is open-ended.
 Each range records the smallest measured advantage of its backend over the
-runner-up (``margin``).
+runner-up (``margin``). Bench ops of one selection class (``all_to_all`` and
+``all_to_allv``) share the class's rules: a backend's time at a size is then
+the sum over the forms measured there, so the rule serves both.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from .bench import Result, human
-from .tuning import FORMAT
+from .tuning import FORMAT, OP_CLASS
+
+
+def _class_times(results: Sequence[Result], backends: Sequence[str]) -> dict:
+    """{class: {size: {backend: time}}}: per selection class, each backend's
+    time summed over the class's bench ops measured at that size (a backend
+    missing one of them there is left out)."""
+    forms: dict[str, dict[int, dict[str, dict[str, float]]]] = {}
+    for r in results:
+        if r.variant in backends:
+            forms.setdefault(OP_CLASS[r.op], {}).setdefault(r.bytes, {}).setdefault(r.op, {})[r.variant] = r.max_us
+    out: dict = {}
+    for cls, by_size in forms.items():
+        for size, by_op in by_size.items():
+            common = set.intersection(*(set(t) for t in by_op.values()))
+            if common:
+                out.setdefault(cls, {})[size] = {b: sum(t[b] for t in by_op.values())
+                                                 for b in backends if b in common}
+    return out
 
 
 def decide(results: Sequence[Result], backends: Sequence[str], margin: float = 0.05):
-    """{op: [(size, winner, advantage)]} from forced-backend results."""
-    table: dict[str, dict[int, dict[str, float]]] = {}
-    for r in results:
-        if r.variant in backends:
-            table.setdefault(r.op, {}).setdefault(r.bytes, {})[r.variant] = r.max_us
+    """{class: [(size, winner, advantage)]} from forced-backend results."""
     out = {}
-    for op, by_size in table.items():
+    for op, by_size in _class_times(results, backends).items():
         rows, incumbent = [], None
         for size in sorted(by_size):
             times = by_size[size]
@@ -88,7 +104,8 @@ def gains(results: Sequence[Result], table: dict, backends: Sequence[str]) -> di
             times.setdefault(r.op, {}).setdefault(r.bytes, {})[r.variant] = r.max_us
     out = {}
     for op, by_size in times.items():
-        rules = table["rules"][op][next(iter(table["rules"][op]))]
+        by_group = table["rules"][OP_CLASS[op]]
+        rules = by_group[next(iter(by_group))]
         per_backend = {}
         for b in backends:
             ratios = []

@@ -42,7 +42,9 @@ SELECT_OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter
 OP_CLASS = {op: op for op in SELECT_OPS}
 OP_CLASS.update(all_gather_into_tensor="all_gather", reduce_scatter_tensor="reduce_scatter",
                 all_to_all_single="all_to_all", send="p2p", recv="p2p", isend="p2p",
-                irecv="p2p", batch_isend_irecv="p2p")
+                irecv="p2p", batch_isend_irecv="p2p",
+                # the bench's and model's name for all_to_all_single with split sizes (MPI Alltoallv)
+                all_to_allv="all_to_all")
 
 _RULE_KEYS = {"max_bytes", "backend", "margin", "note"}
 

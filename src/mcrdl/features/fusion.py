@@ -49,7 +49,7 @@ import torch
 from .. import api
 from ..runtime import Group
 from ..types import ReduceOp, UnsupportedError
-from ..work import Work
+from ..work import Work, run_post
 
 __all__ = ["all_reduce_coalesced", "broadcast_coalesced", "all_gather_coalesced",
            "get_bucket_bytes", "set_bucket_bytes", "fusion_buffer_pool", "BufferPool",
@@ -308,8 +308,19 @@ def _copy_out(flat: torch.Tensor, members: Sequence[torch.Tensor]) -> None:
         t.copy_(src)
 
 
+def _each_async(async_op: bool, buckets: list) -> bool:
+    """Are the buckets' ops started async? Not for a blocking call of one
+    bucket: it runs as a blocking op (the API's fast path) and unpacks at once."""
+    return async_op or len(buckets) > 1
+
+
 def _finish(fn: str, works: list, post: list, result: list, async_op: bool, group,
-            reads, writes) -> Optional[Work]:
+            reads, writes, each_async: bool) -> Optional[Work]:
+    """One Work for the buckets (``async_op``), or wait; a blocking bucket has
+    completed already and only ``post`` is left to run."""
+    if not each_async:
+        run_post(post)
+        return None
     return api.combine(fn, works, post, result, async_op, group, reads, writes)
 
 
@@ -371,22 +382,20 @@ def all_reduce_coalesced(tensors: List[torch.Tensor], op=ReduceOp.SUM, group: Op
     buckets = plan_buckets(tensors, cap)
     _precheck(fn, "all_reduce", buckets, tensors, "tensors", group, backend, rop)
     api.wait_for_conflicts(fn, tensors, tensors)
-    if not async_op and len(buckets) == 1 and buckets[0].direct:
-        api.all_reduce(tensors[buckets[0].index[0]], op, group, backend=backend)
-        return None
+    each = _each_async(async_op, buckets)
     works, post, bufs = _Works(async_op), [], []
     for b in buckets:
         if b.direct:
-            works.add(api.all_reduce(tensors[b.index[0]], op, group, True, backend))
+            works.add(api.all_reduce(tensors[b.index[0]], op, group, each, backend))
             continue
         members = [tensors[i] for i in b.index]
         flat = _POOL.acquire(b.dtype, b.device, b.numel)
         bufs.append(flat)
         _pack(flat, members)
-        works.add(api.all_reduce(flat, op, group, True, backend))
+        works.add(api.all_reduce(flat, op, group, each, backend))
         post.append(lambda flat=flat, members=members: _copy_out(flat, members))
     post.append(_release(bufs))
-    return _finish(fn, works, post, tensors, async_op, group, tensors, tensors)
+    return _finish(fn, works, post, tensors, async_op, group, tensors, tensors, each)
 
 
 def broadcast_coalesced(tensors: List[torch.Tensor], src: int, group: Optional[Group] = None,
@@ -409,13 +418,11 @@ def broadcast_coalesced(tensors: List[torch.Tensor], src: int, group: Optional[G
     buckets = plan_buckets(tensors, cap)
     _precheck(fn, "broadcast", buckets, tensors, "tensors", group, backend)
     api.wait_for_conflicts(fn, tensors, () if is_src else tensors)
-    if not async_op and len(buckets) == 1 and buckets[0].direct:
-        api.broadcast(tensors[buckets[0].index[0]], src, group, backend=backend)
-        return None
+    each = _each_async(async_op, buckets)
     works, post, bufs = _Works(async_op), [], []
     for b in buckets:
         if b.direct:
-            works.add(api.broadcast(tensors[b.index[0]], src, group, True, backend))
+            works.add(api.broadcast(tensors[b.index[0]], src, group, each, backend))
             continue
         members = [tensors[i] for i in b.index]
         flat = _POOL.acquire(b.dtype, b.device, b.numel)
@@ -424,9 +431,9 @@ def broadcast_coalesced(tensors: List[torch.Tensor], src: int, group: Optional[G
             _pack(flat, members)
         else:
             post.append(lambda flat=flat, members=members: _copy_out(flat, members))
-        works.add(api.broadcast(flat, src, group, True, backend))
+        works.add(api.broadcast(flat, src, group, each, backend))
     post.append(_release(bufs))
-    return _finish(fn, works, post, tensors, async_op, group, tensors, () if is_src else tensors)
+    return _finish(fn, works, post, tensors, async_op, group, tensors, () if is_src else tensors, each)
 
 
 def all_gather_coalesced(output_lists: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
@@ -464,24 +471,21 @@ def all_gather_coalesced(output_lists: List[List[torch.Tensor]], input_tensors: 
     buckets = plan_buckets(inputs, cap, factor=n)
     _precheck(fn, "all_gather_into_tensor", buckets, inputs, "input_tensors", group, backend)
     api.wait_for_conflicts(fn, inputs, outputs)
-    if not async_op and len(buckets) == 1 and buckets[0].direct:
-        i = buckets[0].index[0]
-        api.all_gather(list(output_lists[i]), inputs[i], group, backend=backend)
-        return None
+    each = _each_async(async_op, buckets)
     works, post, bufs = _Works(async_op), [], []
     for b in buckets:
         if b.direct:
             i = b.index[0]
-            works.add(api.all_gather(list(output_lists[i]), inputs[i], group, True, backend))
+            works.add(api.all_gather(list(output_lists[i]), inputs[i], group, each, backend))
             continue
         members = [inputs[i] for i in b.index]
         inbuf = _POOL.acquire(b.dtype, b.device, b.numel)
         outbuf = _POOL.acquire(b.dtype, b.device, n * b.numel)
         bufs += [inbuf, outbuf]
         _pack(inbuf, members)
-        works.add(api.all_gather_into_tensor(outbuf, inbuf, group, True, backend))
+        works.add(api.all_gather_into_tensor(outbuf, inbuf, group, each, backend))
         per_rank = [[output_lists[i][r] for i in b.index] for r in range(n)]
         post.append(lambda outbuf=outbuf, per_rank=per_rank, p=b.numel: [
             _copy_out(outbuf[r * p:(r + 1) * p], dsts) for r, dsts in enumerate(per_rank)])
     post.append(_release(bufs))
-    return _finish(fn, works, post, outputs, async_op, group, inputs, outputs)
+    return _finish(fn, works, post, outputs, async_op, group, inputs, outputs, each)

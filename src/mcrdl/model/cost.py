@@ -19,7 +19,7 @@ op (lookup size n)        L(g) steps      W(g) volume
 ========================  =============  ==============
 all_reduce (ring)         2(g-1)          2(g-1)/g
 all_gather, reduce_scatter, gather, scatter  g-1  (g-1)/g
-all_to_all (pairwise)     g-1             (g-1)/g
+all_to_all(v) (pairwise)  g-1             (g-1)/g
 broadcast, reduce         ceil(lg g)      ceil(lg g)
 p2p                       1               1
 ========================  =============  ==============
@@ -30,14 +30,17 @@ import bisect
 import math
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
+
+from ..tuning import OP_CLASS
 
 #: Preference when deriving an op nobody measured from another op of the same backend.
 _DERIVE_FROM = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all", "broadcast",
                 "reduce", "gather", "scatter")
-MODEL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p", "broadcast",
-             "reduce", "gather", "scatter")
+MODEL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_allv", "p2p",
+             "broadcast", "reduce", "gather", "scatter")
+_BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all", "all_to_allv")
 
 
 def steps(op: str, g: int) -> float:
@@ -46,7 +49,7 @@ def steps(op: str, g: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (g - 1)
-    if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
+    if op in _BLOCKED:
         return float(g - 1)
     if op in ("broadcast", "reduce"):
         return float(math.ceil(math.log2(g)))
@@ -59,7 +62,7 @@ def volume(op: str, g: int) -> float:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (g - 1) / g
-    if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
+    if op in _BLOCKED:
         return (g - 1) / g
     if op in ("broadcast", "reduce"):
         return float(math.ceil(math.log2(g)))
@@ -317,10 +320,15 @@ class CostModel:
         return sorted({b for _, b in self.fits})
 
     def fit_for(self, op: str, backend: str) -> Optional[Fit]:
-        """The measured fit, else one derived from another op of the backend."""
+        """The measured fit, else the fit of the other form of the op's class
+        (``all_to_allv`` -> ``all_to_all``), else one derived from another op
+        of the backend."""
         fit = self.fits.get((op, backend))
         if fit is not None:
             return fit
+        base = self.fits.get((OP_CLASS.get(op, op), backend))
+        if base is not None:
+            return replace(base, op=op, source=f"{base.source}; {base.op}'s (no {op} measured)")
         for other in _DERIVE_FROM:
             base = self.fits.get((other, backend))
             if base is not None and base.source != "derived":
@@ -335,7 +343,7 @@ class CostModel:
             raise ValueError(f"no alpha-beta values for {op} on any backend")
         note = ""
         if self.table is not None:
-            tb = self.table.lookup(op, select_group or group, int(round(nbytes)))
+            tb = self.table.lookup(OP_CLASS.get(op, op), select_group or group, int(round(nbytes)))
             if tb in cands:
                 f = cands[tb]
                 return Choice(tb, f.time_us(nbytes, group), "tuning table", f)

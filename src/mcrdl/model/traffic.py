@@ -202,7 +202,7 @@ def sent_per_call(op: str, group: int, nbytes: float) -> float:
         return 0.0
     if op == "all_reduce":
         return 2 * (group - 1) / group * nbytes
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_to_allv"):
         return (group - 1) / group * nbytes
     return float(nbytes)  # p2p
 
@@ -293,8 +293,10 @@ def stage_traffic(cfg: Config, stage: int) -> list[Traffic]:
     if m.moe is not None and e > 1:
         n_moe = moe_layer_count(cfg, first, last)
         disp = moe_dispatch(cfg)
-        add("ep", "all_to_all", "token dispatch + combine (fwd and bwd)", e, disp["message_bytes"],
-            4 * n_moe * mb)
+        # uniform routing sends what the gate chose: split sizes per peer (all_to_allv);
+        # padded dispatch sends every capacity slot: even blocks (all_to_all)
+        add("ep", "all_to_allv" if m.moe.dispatch == "uniform" else "all_to_all",
+            "token dispatch + combine (fwd and bwd)", e, disp["message_bytes"], 4 * n_moe * mb)
         if m.moe.count_exchange:  # per-expert token counts (int64) before an uneven dispatch
             add("ep", "all_to_all", "per-expert token counts (fwd)", e, m.moe.experts * 8,
                 n_moe * mb)
@@ -356,7 +358,7 @@ def comm_matrix(cfg: Config, ring: str = "bidirectional") -> dict:
                 continue
             g = group_of(cfg, x.dim, r)
             i = g.index(r)
-            if x.op == "all_to_all":
+            if x.op in ("all_to_all", "all_to_allv"):
                 for j in g:
                     if j != r:
                         mat[r, j] += vol / (len(g) - 1)
