@@ -8,7 +8,9 @@ Method (OSU-style): for every size, ``R`` rounds; each round runs every variant 
 round-robin (the starting variant rotates from round to round so no variant always
 follows the same one). A variant's turn is a warm-up loop, an MPI barrier, then a timed
 loop of ``N`` blocking SUM all-reduces of one float32 CPU tensor timed with
-``time.perf_counter``; per-call latency = elapsed / N. The per-round value is the max of
+``time.perf_counter``; per-call latency = elapsed / N. The ``C MPI_Allreduce`` variant
+runs the same loop in C (benchmarks/c/allreduce_loop.c, built with the job's mpicc and
+called through ctypes): what OSU's C benchmark measures, in the same run. The per-round value is the max of
 that over ranks; the report is the median over rounds (min and max over rounds too).
 Every variant's result is checked once per size, with values whose sums are exact,
 before any timing. Timed buffers hold zeros so repeated sums stay finite.
@@ -22,6 +24,7 @@ import platform
 import socket
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -31,11 +34,32 @@ import torch.distributed as dist
 import mcrdl
 from _record import environment, write_json
 
-DEFAULT_SIZES = [4, 1 << 10, 16 << 10, 256 << 10, 4 << 20]
-VARIANTS = ["mcrdl mpi", "mcrdl gloo", "mcrdl selected", "raw mpi4py", "raw torch.distributed gloo"]
+DEFAULT_SIZES = [4, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 4 << 20]
+VARIANTS = ["mcrdl mpi", "mcrdl gloo", "mcrdl selected", "raw mpi4py", "raw torch.distributed gloo",
+            "C MPI_Allreduce"]
 SHORT = {"mcrdl mpi": "mcrdl mpi", "mcrdl gloo": "mcrdl gloo",
          "mcrdl selected": "mcrdl selected", "raw mpi4py": "raw mpi4py",
-         "raw torch.distributed gloo": "raw torch gloo"}
+         "raw torch.distributed gloo": "raw torch gloo", "C MPI_Allreduce": "C"}
+C_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "allreduce_loop.c")
+
+
+def build_c_loop(workdir: str):
+    """benchmarks/c/allreduce_loop.c built with the job's own mpicc (the one
+    beside this Python, e.g. the mpich wheel's) and loaded: the C baseline."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    mpicc = os.path.join(os.path.dirname(sys.executable), "mpicc")
+    mpicc = mpicc if os.path.exists(mpicc) else shutil.which("mpicc")
+    if mpicc is None:
+        raise RuntimeError("no mpicc beside this Python or on PATH: cannot build the C baseline")
+    lib = os.path.join(workdir, "allreduce_loop.so")
+    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", C_LOOP, "-o", lib], check=True)
+    fn = ctypes.CDLL(lib).allreduce_loop
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
 
 
 def parse_size(text: str) -> int:
@@ -141,12 +165,24 @@ def main() -> int:
         t = torch.zeros(n, dtype=torch.float32)
         return (lambda: dist.all_reduce(t)), t
 
+    c_loop = build_c_loop(tempfile.mkdtemp(prefix="mcrdl-bench-"))
+    fcomm = comm.py2f()
+
+    def make_c(n):
+        arr = np.zeros(n, dtype=np.float32)
+        ptr = arr.ctypes.data
+        run = lambda iters, warmup: c_loop(fcomm, ptr, n, iters, warmup)
+        run.c_loop = True  # times itself (see timed)
+        return run, arr
+
     makers = {"mcrdl mpi": mcrdl_variant("mpi"), "mcrdl gloo": mcrdl_variant("gloo"),
               "mcrdl selected": mcrdl_variant(None), "raw mpi4py": make_raw_mpi,
-              "raw torch.distributed gloo": make_raw_gloo}
+              "raw torch.distributed gloo": make_raw_gloo, "C MPI_Allreduce": make_c}
 
     def timed(call, iters: int, warmup: int) -> float:
         """Warm-up, barrier, timed loop; per-call seconds (max over ranks)."""
+        if getattr(call, "c_loop", False):
+            return comm.allreduce(call(iters, warmup), op=MPI.MAX)
         for _ in range(warmup):
             call()
         comm.Barrier()
@@ -171,7 +207,10 @@ def main() -> int:
         pattern = (np.arange(n) % 7 + 1).astype(np.float32)
         view = buf if isinstance(buf, np.ndarray) else buf.numpy()
         view[:] = pattern * (rank + 1)
-        call()
+        if getattr(call, "c_loop", False):
+            call(1, 0)
+        else:
+            call()
         if not np.array_equal(view, pattern * np.float32(expected_factor)):
             bad = int(np.flatnonzero(view != pattern * np.float32(expected_factor))[0])
             raise AssertionError(f"rank {rank}: {name} all_reduce of {n * 4} B is wrong at "
@@ -224,13 +263,17 @@ def main() -> int:
             table.add_column(v, justify="right")
         table.add_column("mcrdl mpi / raw mpi4py", justify="right")
         table.add_column("mcrdl gloo / raw gloo", justify="right")
+        table.add_column("raw mpi4py / C", justify="right")
+        table.add_column("mcrdl mpi / C", justify="right")
         for si, nbytes in enumerate(sizes):
             cells = [f"{fmt_us(medians[v][si])} [{fmt_us(mins[v][si])}–{fmt_us(maxs[v][si])}]"
                      for v in VARIANTS]
             r_mpi = medians["mcrdl mpi"][si] / medians["raw mpi4py"][si]
             r_gloo = medians["mcrdl gloo"][si] / medians["raw torch.distributed gloo"][si]
+            c = medians["C MPI_Allreduce"][si]
             table.add_row(fmt_size(nbytes), str(iters_used[si]), *cells,
-                          f"{r_mpi:.2f}x", f"{r_gloo:.2f}x")
+                          f"{r_mpi:.2f}x", f"{r_gloo:.2f}x", f"{medians['raw mpi4py'][si] / c:.2f}x",
+                          f"{medians['mcrdl mpi'][si] / c:.2f}x")
         console.print(table)
         for si, nbytes in enumerate(sizes):
             console.print(f"  selected at {fmt_size(nbytes)}: {selected[si]}", highlight=False)
@@ -256,6 +299,8 @@ def main() -> int:
                     "mcrdl gloo / raw gloo": [medians["mcrdl gloo"][i] /
                                               medians["raw torch.distributed gloo"][i]
                                               for i in range(len(sizes))],
+                    **{f"{v} / C": [medians[v][i] / medians["C MPI_Allreduce"][i]
+                                    for i in range(len(sizes))] for v in ("raw mpi4py", "mcrdl mpi")},
                 },
                 "selected": selected,
                 "iters": iters_used,

@@ -2,25 +2,25 @@
 and MoE workloads on 2 local ranks, several runs each
 (docs/results/model_validation.md):
 
-    .venv/bin/python benchmarks/model_validation.py [--runs 8] [--sweeps 3] [--steps 10] [--warmup 2] [--bench FILE ...]
+    .venv/bin/python benchmarks/model_validation.py [--runs 8] [--steps 10] [--warmup 2] [--bench FILE ...]
 
 The model is calibrated from bench sweeps only, never from the validation
-runs. Unless ``--bench`` names recorded ones, ``--sweeps`` cold sweeps
-(``mcrdl bench --cold``: a compute step before each timed call, as in a
-training step; docs/bench.md) of all_reduce and all_to_all on MPI are
-recorded, one before each of the first runs (so a slow phase of the machine
-spoils one sweep, not all), to docs/results/model_cold-sweep-2ranks-K.json.
-Each run logs ``--steps`` steps after ``--warmup`` unlogged ones
-(examples/model/log_workload.py). Then every run is compared with
-``mcrdl model --compare-log`` twice: calibrated from the median of the cold
-sweeps per size (``--bench`` repeated) and from the back-to-back tune sweep
-docs/results/tune-sweep-2ranks.json (backends from
-docs/results/tuning-2ranks.json). During each sweep and logged run it also
+runs. Unless ``--bench`` names recorded ones, a cold sweep (``mcrdl bench
+--cold``: compute, then the call, timed as the logger times it; docs/bench.md)
+of all_reduce, all_to_all and all_to_allv on MPI is recorded right before each
+run, to docs/results/model_cold-sweep-2ranks-K.json. Each run logs
+``--steps`` steps after ``--warmup`` unlogged ones
+(examples/model/log_workload.py). Every run is compared with ``mcrdl model
+--compare-log`` under three calibrations: its own sweep (taken a minute
+before, in the same phase of a machine whose speed drifts), the median of
+every sweep per size (``--bench`` repeated), and the back-to-back tune sweep
+docs/results/tune-sweep-2ranks.json; backends come from
+docs/results/tuning-2ranks.json. During each sweep and logged run it also
 measures the CPU time other processes took (all busy CPU time minus the
 run's own): runs with others above 5 % of the CPUs are reported apart.
 Writes docs/results/model_validation.txt (every comparison table) and .json
-(per op and calibration the prediction; per run the logged and
-arrival-corrected time, the diffs, others' CPU share).
+(per op, run and calibration: the prediction, the logged and
+arrival-corrected time, the diffs, others' CPU share; per-workload totals).
 """
 import argparse
 import json
@@ -65,21 +65,20 @@ def others_share(run) -> float:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=8)
-    p.add_argument("--sweeps", type=int, default=3, help="cold sweeps to record (median per size)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bench", action="append", help="recorded cold sweep(s) to calibrate from "
-                   f"(default: record --sweeps of them, {COLD.format('K')})")
+                   f"(default: record one before each run, {COLD.format('K')})")
     a = p.parse_args()
-    if a.runs < 1 or (not a.bench and not 1 <= a.sweeps <= a.runs):
-        p.error("need --runs >= 1 and 1 <= --sweeps <= --runs")
+    if a.runs < 1:
+        p.error("need --runs >= 1")
     cmd = (f"python benchmarks/model_validation.py --runs {a.runs} --steps {a.steps} --warmup {a.warmup}"
-           + ("".join(f" --bench {b}" for b in a.bench) if a.bench else f" --sweeps {a.sweeps}"))
+           + "".join(f" --bench {b}" for b in a.bench or ()))
     sweeps, sweep_others = list(a.bench or []), []
     logs = []
     with tempfile.TemporaryDirectory() as work:
-        for i in range(1, a.runs + 1):  # record: sweeps interleaved with the logged runs
-            if not a.bench and i <= a.sweeps:
+        for i in range(1, a.runs + 1):  # record: a sweep, then the logged runs
+            if not a.bench:
                 out = COLD.format(i)
                 share = others_share(lambda: subprocess.run([f"{BIN}/mcrdl", *SWEEP, out], cwd=ROOT,
                                                             check=True, capture_output=True))
@@ -96,13 +95,16 @@ def main() -> int:
                     cwd=ROOT, env=env, check=True, capture_output=True))
                 print(f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs", flush=True)
                 logs.append((i, w, log, others))
-        calibrations = {"cold": sweeps, "back-to-back": [WARM]}
+        calibrations = {"all sweeps": lambda i: sweeps, "back-to-back": lambda i: [WARM]}
+        if not a.bench:
+            calibrations = {"own sweep": lambda i: [sweeps[i - 1]], **calibrations}
         ops: dict = {}
         text = []
-        for i, w, log, others in logs:  # compare: every run against both calibrations
+        for i, w, log, others in logs:  # compare: every run against every calibration
             text.append(f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs")
-            for calib, benches in calibrations.items():
-                out = f"{log}-model-{calib}"
+            for calib, benches_of in calibrations.items():
+                benches = benches_of(i)
+                out = f"{log}-model-{calib.replace(' ', '-')}"
                 rep = subprocess.run([f"{BIN}/mcrdl", "model", f"examples/model/workload_{w}.json",
                                       "--compare-log", log, "--log-iterations", str(a.steps),
                                       *(x for b in benches for x in ("--bench", b)), "--table", TABLE,
@@ -112,12 +114,11 @@ def main() -> int:
                          rep[rep.index("prediction vs logged run"):].split("\nwritten:")[0]]
                 with open(os.path.join(out, "model.json")) as f:
                     for r in json.load(f)["compare"]:
-                        o = ops.setdefault(f"{w} {r['dim']} {r['op']}", {
-                            "count": r["meas_count"], "pred_s": {}, "runs": {}})
-                        o["pred_s"][calib] = r["pred_s"]
+                        o = ops.setdefault(f"{w} {r['dim']} {r['op']}", {"count": r["meas_count"], "runs": {}})
                         run = o["runs"].setdefault(i, {"others_cpu": others, "logged_s": r["meas_s"],
-                                                       "comm_s": r["meas_comm_s"], "diff_pct": {},
-                                                       "diff_logged_pct": {}})
+                                                       "comm_s": r["meas_comm_s"], "pred_s": {},
+                                                       "diff_pct": {}, "diff_logged_pct": {}})
+                        run["pred_s"][calib] = r["pred_s"]
                         run["diff_pct"][calib] = r["diff_time_pct"]
                         run["diff_logged_pct"][calib] = r["diff_logged_time_pct"]
     for o in ops.values():
@@ -125,34 +126,35 @@ def main() -> int:
     totals = {}  # workload -> per run: predicted and measured communication time over all its ops
     for w in ("megatron", "moe"):
         mine = [o for k, o in ops.items() if k.startswith(w + " ")]
-        totals[w] = {"pred_s": {c: sum(o["pred_s"][c] for o in mine) for c in calibrations},
-                     "runs": [{"others_cpu": mine[0]["runs"][j]["others_cpu"],
-                               "comm_s": sum(o["runs"][j]["comm_s"] for o in mine)} for j in range(a.runs)]}
-        for run in totals[w]["runs"]:
-            run["diff_pct"] = {c: (totals[w]["pred_s"][c] - run["comm_s"]) / run["comm_s"] * 100
-                               for c in calibrations}
+        runs = []
+        for j in range(a.runs):
+            comm = sum(o["runs"][j]["comm_s"] for o in mine)
+            pred = {c: sum(o["runs"][j]["pred_s"][c] for o in mine) for c in calibrations}
+            runs.append({"others_cpu": mine[0]["runs"][j]["others_cpu"], "comm_s": comm, "pred_s": pred,
+                         "diff_pct": {c: (pred[c] - comm) / comm * 100 for c in calibrations}})
+        totals[w] = {"runs": runs}
     with open(os.path.join(RES, "model_validation.txt"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(RES, "model_validation.json"), "w") as f:
-        json.dump({"command": cmd, "calibrations": calibrations, "sweeps_others_cpu": sweep_others,
-                   "quiet_below_others_cpu": QUIET,
+        json.dump({"command": cmd, "calibrations": {c: f(1) if c != "own sweep" else "the run's own sweep"
+                                                    for c, f in calibrations.items()},
+                   "sweeps": sweeps, "sweeps_others_cpu": sweep_others, "quiet_below_others_cpu": QUIET,
                    "ops": ops, "totals": totals}, f, indent=1)
         f.write("\n")
     print(f"\n{cmd}\nper op over {a.steps} steps: comm = arrival-corrected; median [min, max] over the "
           f"quiet runs (others < {QUIET * 100:.0f}% of the CPUs), then over all runs")
+    spread = lambda xs, f: f"{f(statistics.median(xs))} [{f(min(xs))}, {f(max(xs))}]"
+    ms, pct = (lambda v: f"{v * 1e3:.3f} ms"), (lambda v: f"{v:+.1f}%")
     for k, o in [*ops.items(), *((f"{w} total", t) for w, t in totals.items())]:
         for name, runs in (("quiet", [r for r in o["runs"] if r["others_cpu"] < QUIET]), ("all", o["runs"])):
             if not runs:
                 print(f"{k:24s} {name:5s} no runs")
                 continue
-            med = lambda key: statistics.median(r[key] for r in runs) * 1e3
-            print(f"{k:24s} {name:5s} {len(runs)} runs: comm {med('comm_s'):.3f} ms "
-                  f"[{min(r['comm_s'] for r in runs) * 1e3:.3f}, {max(r['comm_s'] for r in runs) * 1e3:.3f}]"
-                  + (f", logged {med('logged_s'):.3f} ms" if "logged_s" in runs[0] else ""))
+            print(f"{k:24s} {name:5s} {len(runs)} runs: comm {spread([r['comm_s'] for r in runs], ms)}"
+                  + (f", logged {ms(statistics.median(r['logged_s'] for r in runs))}" if "logged_s" in runs[0] else ""))
             for calib in calibrations:
-                d = [r["diff_pct"][calib] for r in runs]
-                print(f"{'':30s} {calib:12s} pred {o['pred_s'][calib] * 1e3:.3f} ms, diff "
-                      f"{statistics.median(d):+.1f}% [{min(d):+.1f}, {max(d):+.1f}]")
+                print(f"{'':30s} {calib:12s} pred {spread([r['pred_s'][calib] for r in runs], ms)}, "
+                      f"diff {spread([r['diff_pct'][calib] for r in runs], pct)}")
     return 0
 
 

@@ -112,7 +112,7 @@ def test_stuck_rank_times_out_everywhere_and_the_job_ends(tmp_path, monkeypatch,
     # rank forever, so mcrdl aborts the MPI job instead (not 124: not killed
     # by `mcrdl run --timeout`).
     assert proc.returncode not in (0, 124), out
-    note = (f"did not arrive at collective" if debug else "are alive, so a peer is stuck")
+    note = ("did not arrive at collective" if debug else "are alive, so a peer is stuck")
     reports = _reports(tmp_path)
     _check(reports, [r for r in range(nprocs) if r != victim], backend, note)
     if debug:

@@ -4,6 +4,8 @@ one rank per host, launched by MPICH's mpiexec through Hydra's ssh launcher.
 Needs root (namespaces, veth pairs, a bridge); skipped otherwise, saying why.
 The rendezvous-binding test on one host needs nothing special."""
 import json
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +22,30 @@ needs_netns = pytest.mark.skipif(REASON is not None, reason=f"multi-host harness
 def test_store_binds_loopback_on_one_host():
     """All ranks on one host: the rendezvous store listens on 127.0.0.1 only."""
     out = run_job(2, "store_job.py", "127.0.0.1", timeout=120)
+    assert "listens on ['127.0.0.1']" in out and out.count("OK store") == 2, out[-3000:]
+
+
+def test_store_binds_master_addr_with_env_rendezvous(tmp_path):
+    """Ranks started by hand with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (no
+    MPI, no torchrun agent): rank 0's store listens on MASTER_ADDR only, not on
+    every interface as torch's TCPStore would."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, str(JOBS / "store_job.py"), "127.0.0.1"], cwd=JOBS,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    out = "".join(outs)
+    assert all(p.returncode == 0 for p in procs), out[-3000:]
     assert "listens on ['127.0.0.1']" in out and out.count("OK store") == 2, out[-3000:]
 
 

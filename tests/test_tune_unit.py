@@ -6,6 +6,7 @@ rank's time) drives decisions.
 import csv
 import json
 import math
+import os
 import warnings
 
 import pytest
@@ -193,6 +194,21 @@ def test_make_table_document():
     assert [r["backend"] for r in doc["rules"]["broadcast"]["2"]] == ["gloo", "mpi", "gloo"]
     assert [r["max_bytes"] for r in doc["rules"]["broadcast"]["2"]] == [4, 64, None]
     json.dumps(doc)  # JSON-ready
+
+
+def test_plots_shade_the_table_ranges(tmp_path):
+    """The same results plotted with the table differ from the plain plot (the
+    shaded ranges), for both all-to-all forms (one table entry)."""
+    pytest.importorskip("matplotlib")
+    from mcrdl.plots import plot_ops
+
+    results = results_all() + sweep("all_to_allv", TIMES["all_to_all"])
+    table = tune.make_table(results, BACKENDS, 2, META)
+    plain = plot_ops(results, str(tmp_path / "plain"))
+    shaded = plot_ops(results, str(tmp_path / "shaded"), table)
+    assert sorted(os.path.basename(p) for p in shaded) == sorted(f"{op}.png" for op in (*TIMES, "all_to_allv"))
+    for a, b in zip(sorted(plain), sorted(shaded)):
+        assert open(a, "rb").read() != open(b, "rb").read(), b
 
 
 def test_make_table_group_size_key_is_the_world():

@@ -22,10 +22,14 @@ rounds. algbw = S / t; busbw = algbw x factor (nccl-tests). p2p is a ping-pong
 between ranks 0 and 1: latency is half the round trip.
 
 Mode (``metadata.mode``): ``back-to-back`` (default, OSU) times calls that run
-one after another, with the library's code and the buffers hot in cache;
-``cold`` (``--cold``) runs :data:`COLD_STEP` before each call's barrier,
-outside the timed region, so each call starts as in a training step, after
-compute that evicts caches (docs/bench.md, "Cold mode").
+one after another, barrier right before, with the library's code and the
+buffers hot in cache. ``cold`` (``--cold``) times calls as a training step
+makes them and as the communication logger measures them: barrier, then
+:data:`COLD_STEP` (untimed compute that evicts caches), then the call, with
+no barrier in between; each call counts the duration of the rank that
+arrived last (the shortest over ranks: the others' extra time was waiting
+for it, as :func:`mcrdl.features.logger.arrival_times`), so avg = min = max
+(docs/bench.md, "Cold mode").
 """
 from __future__ import annotations
 
@@ -84,7 +88,8 @@ class Result:
     rounds: int
     avg_us: float  # median over rounds of the mean across ranks
     min_us: float  # ... of the fastest rank
-    max_us: float  # ... of the slowest rank (the collective's time)
+    max_us: float  # ... of the slowest rank (the collective's time; cold mode: all three
+    #                are the last-arriving rank's, see the module docstring)
     round_max_us: list = field(default_factory=list)
     algbw_gbps: float = 0.0
     busbw_gbps: float = 0.0
@@ -176,6 +181,7 @@ class _Case:
 
     def _pingpong(self, send, recv) -> Callable[[], None]:
         t = self.inp
+        self.send, self.recv = send, recv  # for check()
         if self.rank == 0:
             return lambda: (send(t, 1), recv(t, 1))
         if self.rank == 1:
@@ -230,6 +236,8 @@ class _Case:
     def check(self) -> bool:
         """Run once on exact inputs and compare with the local reference."""
         self.reset()
+        if self.op == "p2p":
+            return self._check_pingpong()
         self.call()
         op, n, rank = self.op, self.world, self.rank
         vals = [self._value(r, self.elems) for r in range(n)]
@@ -250,9 +258,20 @@ class _Case:
             return torch.equal(self.out, vals[0][rank * self.part:(rank + 1) * self.part])
         if op in ("all_to_all", "all_to_allv"):
             return torch.equal(self.out, torch.cat([v[rank * self.part:(rank + 1) * self.part] for v in vals]))
-        if op == "p2p":  # after a ping-pong rank 0 and 1 hold rank 0's... then 1's echo
-            return rank > 1 or torch.equal(self.inp, vals[0])
         raise ValueError(op)
+
+    def _check_pingpong(self) -> bool:
+        """Both legs: rank 1 receives rank 0's values; rank 0 clears its buffer
+        after sending, so what it holds at the end came back from rank 1."""
+        t, rank = self.inp, self.rank
+        if rank == 0:
+            self.send(t, 1)
+            t.zero_()
+            self.recv(t, 1)
+        elif rank == 1:
+            self.recv(t, 0)
+            self.send(t, 0)
+        return rank > 1 or torch.equal(t, self._value(0, self.elems))
 
 
 # -- the harness ------------------------------------------------------------------------
@@ -303,6 +322,13 @@ class Bench:
         api.all_reduce(t[1:], op=api.ReduceOp.MAX, backend=self.harness)
         return float(s[0]) / self.world, -float(t[1]), float(t[2])
 
+    def _last_arrival(self, samples: Sequence[float]) -> float:
+        """Median over calls (us) of each call's shortest duration over ranks:
+        the last-arriving rank's (same on every rank)."""
+        t = torch.tensor(samples, dtype=torch.float64)
+        api.all_reduce(t, op=api.ReduceOp.MIN, backend=self.harness)
+        return statistics.median(t.tolist()) * 1e6
+
     def measure(self, op: str, nbytes: int) -> list[Result]:
         """All variants at one (op, size), interleaved over rounds."""
         # every variant on the same buffers: where a buffer lands in memory stays fixed
@@ -333,15 +359,17 @@ class Bench:
                 call = cases[v].call
                 samples = []
                 for _ in range(iters):  # OSU: time each call, a barrier between calls
-                    prepare()  # cold mode: compute first, untimed
                     barrier()
+                    prepare()  # cold mode: compute, untimed, between the barrier and the call
                     start = clock()
                     call()
                     samples.append(clock() - start)
-                per_call = statistics.median(samples) * 1e6  # robust to descheduling spikes
-                if op == "p2p":
-                    per_call /= 2  # one way of the ping-pong
-                per_round[v].append(self._reduce3(per_call))
+                half = 2 if op == "p2p" else 1  # p2p: one way of the ping-pong
+                if self.mode == "cold":
+                    per_call = self._last_arrival(samples) / half
+                    per_round[v].append((per_call, per_call, per_call))
+                else:  # median: robust to descheduling spikes
+                    per_round[v].append(self._reduce3(statistics.median(samples) * 1e6 / half))
         out = []
         for v, rounds in per_round.items():
             avg = statistics.median(r[0] for r in rounds)

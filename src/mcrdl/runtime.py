@@ -116,12 +116,15 @@ def _store_address(single_host: bool) -> str:
                        "MCRDL_MASTER_ADDR (or GLOO_SOCKET_IFNAME)")
 
 
-def _listen(host: str) -> socket.socket:
-    """A listening TCP socket on ``host`` (an address or a name), on a free port."""
+def _listen(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket on ``host`` (an address or a name) only, on
+    ``port`` (0: a free one)."""
     errors = []
-    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM):
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
         sock = socket.socket(family, kind, proto)
         try:
+            if port:  # a fixed port may still hold a previous job's connections in TIME_WAIT
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(sockaddr)
             sock.listen(128)
             return sock
@@ -289,9 +292,20 @@ class Runtime:
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
             raise RuntimeError("mcrdl: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are "
                                "not: launch with torchrun, `mcrdl run` or mpiexec")
-        agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.world_size,
-                              self.rank == 0 and not agent_store, timeout=td)
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        if self.rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # mcrdl serves the store: on MASTER_ADDR only (torch's TCPStore alone
+            # would listen on every interface)
+            sock = _listen(host, port)
+            try:
+                store = dist.TCPStore(host, port, self.world_size, True, timeout=td,
+                                      master_listen_fd=sock.fileno())
+            except BaseException:
+                sock.close()
+                raise
+            sock.detach()  # the store's server owns (and closes) the socket now
+        else:
+            store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
         return dist.PrefixStore("mcrdl/", store)
 
     # -- groups -------------------------------------------------------------------

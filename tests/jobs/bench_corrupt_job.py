@@ -1,7 +1,10 @@
 """--check catches a backend that returns a wrong result.
 
 A test-only backend ``gloo_corrupt`` (a gloo subclass registered here, not in
-product code) completes all_reduce correctly and then adds 1 to element 0.
+product code) completes all_reduce correctly and then adds 1 to element 0; on
+rank 0 its recv drops what arrives (receives into a scratch copy): the echo
+leg of the p2p ping-pong, where rank 0 gets back the values it sent, so only
+a check that clears rank 0's buffer before the echo can see it.
 
 Modes:
   api  run mcrdl.bench.Bench on [mpi, gloo_corrupt] with check=True and print
@@ -46,6 +49,9 @@ class CorruptGloo(GlooBackend):
     def all_reduce(self, pg, tensor, op):
         return CorruptingPending(super().all_reduce(pg, tensor, op), tensor)
 
+    def recv(self, pg, tensor, peer, tag):
+        return super().recv(pg, tensor.clone() if self.ctx.rank == 0 else tensor, peer, tag)
+
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "api"
 if mode == "cli":
@@ -61,7 +67,7 @@ mcrdl.init_process_group(backends=["mpi", "gloo", "gloo_corrupt"])
 assert mcrdl.available_backends()["gloo_corrupt"] == "live", mcrdl.available_backends()
 b = bench.Bench(["mpi", "gloo_corrupt"], iters=3, large_iters=2, warmup=1, rounds=1, check=True)
 try:
-    results = b.sweep(["all_reduce"], [4, 4096])
+    results = b.sweep(["all_reduce", "p2p"], [4, 4096])
 finally:
     b.close()
 if mcrdl.get_rank() == 0:

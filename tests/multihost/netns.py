@@ -139,6 +139,10 @@ def _kill_in(ns: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
 
 
+#: Did this process create /etc/netns (so cleanup may remove it)?
+_made_etc_netns = False
+
+
 def cleanup() -> list[str]:
     """Remove every namespace, link and /etc/netns entry of the harness (idempotent;
     kills the processes still inside its namespaces). Returns what was removed."""
@@ -150,8 +154,9 @@ def cleanup() -> list[str]:
         _ip("link", "del", link, check=False)
     for d in _etc_dirs():
         shutil.rmtree(d, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.rmdir("/etc/netns")  # only if empty: it did not exist before the harness
+    if _made_etc_netns:
+        with contextlib.suppress(OSError):
+            os.rmdir("/etc/netns")  # the harness made it: gone again if nothing else is in it
     # A namespace goes (taking its veth end, and so the peer) once its last process is
     # reaped; wait a little so a new run does not meet half-removed links.
     deadline = time.monotonic() + 10
@@ -325,6 +330,8 @@ def qdisc_available(kind: str) -> bool:
 
 
 def _create(n: int, delay: Optional[str], rate: Optional[str]) -> Cluster:
+    global _made_etc_netns
+    _made_etc_netns = _made_etc_netns or not os.path.isdir("/etc/netns")
     hosts = [f"{PREFIX}{k}" for k in range(n)]
     addrs = [f"{SUBNET}.{k + 1}" for k in range(n)]
     _ip("link", "add", BRIDGE, "type", "bridge")
