@@ -170,8 +170,7 @@ def main() -> int:
 
     def make_c(n):
         arr = np.zeros(n, dtype=np.float32)
-        ptr = arr.ctypes.data
-        run = lambda iters, warmup: c_loop(fcomm, ptr, n, iters, warmup)
+        run = lambda iters, warmup: c_loop(fcomm, arr.ctypes.data, n, iters, warmup)  # keeps arr
         run.c_loop = True  # times itself (see timed)
         return run, arr
 
