@@ -189,6 +189,9 @@ def test_tune_writes_a_loadable_table(tune_run):
         assert all(r["backend"] in LIVE and isinstance(r["margin"], (int, float)) for r in rules)
         assert table.lookup(op, 2, 1 << 30) == rules[-1]["backend"]
     assert f"tuning table written to {paths['out']}" in proc.stdout
+    again = meta["decision"]["remeasured"]  # sizes won by a minority backend, measured twice
+    assert set(again) <= set(OPS) and all(set(s) <= set(meta["sweep"]["sizes"]) for s in again.values())
+    assert ("measured again (won by a minority backend)" in proc.stdout) == bool(again)
 
 
 def test_tune_table_is_the_decision_on_its_results(tune_run):
@@ -286,6 +289,24 @@ def test_bench_cli_exits_nonzero_when_a_check_fails():
     assert "CHECK FAILED: 2 results" in out, out[-3000:]
     assert "all_reduce 4 B on gloo_corrupt" in out and "all_reduce 4096 B on gloo_corrupt" in out
     assert "on mpi" not in out
+
+
+def test_tune_measures_a_minority_winner_again(tmp_path):
+    """A backend slow only while the sweep measured one size lost that size to
+    gloo; the second pass measures it at its usual speed and the table keeps it."""
+    table = tmp_path / "table.json"
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "120",
+           str(JOBS / "tune_slow_phase_job.py"), str(table)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=ROOT,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "measured again (won by a minority backend): all_reduce 64K" in out, out[-3000:]
+    assert "winners changed: all_reduce 64K gloo -> mpi_slow_phase" in out, out[-3000:]
+    doc = json.loads(table.read_text())
+    assert doc["rules"]["all_reduce"]["2"] == [
+        {"max_bytes": None, "backend": "mpi_slow_phase", "margin": doc["rules"]["all_reduce"]["2"][0]["margin"]}]
+    assert doc["metadata"]["decision"]["remeasured"] == {"all_reduce": [65536]}
 
 
 # -- cold mode -------------------------------------------------------------------------------

@@ -243,6 +243,53 @@ def test_make_table_with_hysteresis_loads():
     mcrdl.TuningTable.from_dict(doc, known=KNOWN)
 
 
+# -- measuring minority winners again -----------------------------------------------------
+def test_contested_sizes_are_those_won_by_a_minority_backend():
+    results = (sweep("reduce", {4: {"mpi": 1, "gloo": 9}, 1024: {"mpi": 2, "gloo": 9},
+                                1 << 20: {"mpi": 9, "gloo": 2}, 1 << 24: {"mpi": 9, "gloo": 3}})
+               + sweep("p2p", {4: {"mpi": 1, "gloo": 9}, 8192: {"mpi": 9, "gloo": 2},
+                               65536: {"mpi": 2, "gloo": 9}})
+               + sweep("all_reduce", {4: {"mpi": 1, "gloo": 9}, 64: {"mpi": 1, "gloo": 9}}))
+    # reduce: two sizes each; the first-seen winner (mpi) counts as the majority
+    assert tune.contested(results, BACKENDS) == {"reduce": [1 << 20, 1 << 24], "p2p": [8192]}
+
+
+def test_contested_names_every_bench_op_of_the_class():
+    results = (sweep("all_to_all", {4: {"mpi": 1, "gloo": 9}, 64: {"mpi": 1, "gloo": 9},
+                                    1024: {"mpi": 9, "gloo": 1}})
+               + sweep("all_to_allv", {4: {"mpi": 1, "gloo": 9}, 64: {"mpi": 1, "gloo": 9},
+                                       1024: {"mpi": 9, "gloo": 1}}))
+    assert tune.contested(results, BACKENDS) == {"all_to_all": [1024], "all_to_allv": [1024]}
+
+
+def test_each_backend_is_judged_by_its_better_pass():
+    """A slow phase of mpi in the sweep left gloo the winner at 16 MiB; the
+    second pass measures mpi at its usual speed, and the table follows."""
+    first = sweep("reduce", {4: {"mpi": 1, "gloo": 9}, 1 << 24: {"mpi": 25000, "gloo": 15000}})
+    again = sweep("reduce", {1 << 24: {"mpi": 8000, "gloo": 16000}})
+    before = tune.decide(first, BACKENDS)
+    merged = tune.best_of(first, again)
+    assert [(r.bytes, r.variant, r.max_us) for r in merged] == [
+        (4, "mpi", 1), (4, "gloo", 9), (1 << 24, "mpi", 8000), (1 << 24, "gloo", 15000)]
+    after = tune.decide(merged, BACKENDS)
+    assert [b for _, b, _ in after["reduce"]] == ["mpi", "mpi"]
+    assert tune.changed(before, after) == [("reduce", 1 << 24, "gloo", "mpi")]
+
+
+def test_a_minority_winner_confirmed_by_the_second_pass_stays():
+    first = sweep("p2p", {4: {"mpi": 1, "gloo": 9}, 8192: {"mpi": 30, "gloo": 20}})
+    again = sweep("p2p", {8192: {"mpi": 31, "gloo": 21}})
+    after = tune.decide(tune.best_of(first, again), BACKENDS)
+    assert [b for _, b, _ in after["p2p"]] == ["mpi", "gloo"]
+    assert tune.changed(tune.decide(first, BACKENDS), after) == []
+
+
+def test_make_table_records_what_was_measured_again():
+    doc = tune.make_table(results_all(), BACKENDS, 2, META, remeasured={"broadcast": [4]})
+    assert doc["metadata"]["decision"]["remeasured"] == {"broadcast": [4]}
+    assert tune.make_table(results_all(), BACKENDS, 2, META)["metadata"]["decision"]["remeasured"] == {}
+
+
 # -- crossovers and gains --------------------------------------------------------------------
 def test_crossovers_lines():
     doc = tune.make_table(results_all(), BACKENDS, 2, META)

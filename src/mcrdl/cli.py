@@ -212,18 +212,30 @@ def _cmd_tune(args, argv) -> int:
             b = bench.Bench(backends, iters, large, args.warmup, rounds, False, step, args.cold)
             try:
                 results = b.sweep(ops, sizes)
+                again = tune.contested(results, backends, args.margin)
+                if again:  # a minority winner must win again later (tune's docstring)
+                    progress.update(task, total=len(ops) * len(sizes) + sum(map(len, again.values())))
+                    second = [r for op, op_sizes in again.items() for r in b.sweep([op], op_sizes)]
+                    before = tune.decide(results, backends, args.margin)
+                    results = tune.best_of(results, second)
             finally:
                 b.close()
             progress.update(task, advance=1, description="done")
         meta = bench.metadata({"ops": ops, "sizes": sizes, "backends": backends, "iters": iters,
                                "large_iters": large, "rounds": rounds, "warmup": args.warmup,
                                "quick": args.quick}, b.mode)
-        table = tune.make_table(results, backends, world, meta, args.margin)
+        table = tune.make_table(results, backends, world, meta, args.margin, again)
         if rank == 0:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(table, f, indent=2)
                 f.write("\n")
             print(f"tuning table written to {args.out}")
+            if again:
+                flips = [f"{op} {bench.human(size)} {w0} -> {w1}" for op, size, w0, w1
+                         in tune.changed(before, tune.decide(results, backends, args.margin))]
+                print("measured again (won by a minority backend): "
+                      + ", ".join(f"{op} {','.join(map(bench.human, ss))}" for op, ss in again.items())
+                      + f"; winners changed: {', '.join(flips) or 'none'}")
             print("crossovers:")
             for line in tune.crossovers(table):
                 print("  " + line)

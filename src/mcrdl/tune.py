@@ -9,10 +9,17 @@ Each range records the smallest measured advantage of its backend over the
 runner-up (``margin``). Bench ops of one selection class (``all_to_all`` and
 ``all_to_allv``) share the class's rules: a backend's time at a size is then
 the sum over the forms measured there, so the rule serves both.
+
+A slow phase of one backend during the sweep (the scheduler putting both
+polling ranks on one core, another job's burst) would leave a range for the
+other backend in the table. So sizes won by a backend other than the one
+that wins most of the class (:func:`contested`) are measured again after the
+sweep, and each backend is judged by its better pass (:func:`best_of`).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections import Counter
+from typing import Optional, Sequence
 
 from .bench import Result, human
 from .tuning import FORMAT, OP_CLASS
@@ -54,6 +61,36 @@ def decide(results: Sequence[Result], backends: Sequence[str], margin: float = 0
     return out
 
 
+def contested(results: Sequence[Result], backends: Sequence[str], margin: float = 0.05) -> dict:
+    """{bench op: [sizes]} to measure again: the sizes where the class's
+    winner is not the backend that wins most of the class's sizes (every
+    bench op of the class is measured there)."""
+    ops_of: dict[str, set] = {}
+    for r in results:
+        ops_of.setdefault(OP_CLASS[r.op], set()).add(r.op)
+    out = {}
+    for cls, rows in decide(results, backends, margin).items():
+        majority = Counter(b for _, b, _ in rows).most_common(1)[0][0]
+        sizes = [size for size, b, _ in rows if b != majority]
+        if sizes:
+            out.update({op: sizes for op in sorted(ops_of[cls])})
+    return out
+
+
+def best_of(first: Sequence[Result], again: Sequence[Result]) -> list[Result]:
+    """``first`` with each (op, size, variant) measured ``again`` replaced by
+    the faster of its two results."""
+    key = lambda r: (r.op, r.bytes, r.variant)
+    second = {key(r): r for r in again}
+    return [min((r, second.get(key(r), r)), key=lambda x: x.max_us) for r in first]
+
+
+def changed(before: dict, after: dict) -> list[tuple[str, int, str, str]]:
+    """(class, size, old winner, new winner) where two :func:`decide` results differ."""
+    return [(cls, size, w0, w1) for cls, rows in after.items()
+            for (size, w0, _), (_, w1, _) in zip(before.get(cls, ()), rows) if w0 != w1]
+
+
 def ranges(rows):
     """Merge adjacent sizes with the same winner: [(max_bytes|None, backend, margin)]."""
     merged = []
@@ -66,15 +103,16 @@ def ranges(rows):
 
 
 def make_table(results: Sequence[Result], backends: Sequence[str], world: int, meta: dict,
-               margin: float = 0.05) -> dict:
-    """A tuning-table document (``mcrdl-tuning/1``) for group size ``world``."""
+               margin: float = 0.05, remeasured: Optional[dict] = None) -> dict:
+    """A tuning-table document (``mcrdl-tuning/1``) for group size ``world``;
+    ``remeasured``: {bench op: [sizes]} measured twice (:func:`contested`)."""
     rules = {}
     for op, rows in decide(results, backends, margin).items():
         rules[op] = {str(world): [
             {"max_bytes": mb, "backend": b, "margin": round(a, 4)} for mb, b, a in ranges(rows)]}
     return {"format": FORMAT, "metadata": {**meta, "decision": {
         "statistic": "median over rounds of the slowest rank's per-call time",
-        "hysteresis": margin}}, "rules": rules}
+        "hysteresis": margin, "remeasured": remeasured or {}}}, "rules": rules}
 
 
 def crossovers(table: dict) -> list[str]:

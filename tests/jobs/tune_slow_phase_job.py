@@ -1,0 +1,42 @@
+"""tune measures a minority winner again: a slow phase of one backend during
+the sweep does not end up in the table.
+
+A test-only backend ``mpi_slow_phase`` (an MPI subclass registered here, not
+in product code) sleeps 20 ms before its first ``SLOW_CALLS`` all_reduce calls
+of 64 KiB (the sweep's warm-up and timed calls there) and is plain MPI after
+that. ``mcrdl tune`` (mcrdl.cli.main inside this job, so the backend is live)
+over [mpi_slow_phase, gloo] at 4 B, 256 B and 64 KiB writes the table to
+argv[1]; the slow sweep gave 64 KiB to gloo, the second pass must give it back.
+"""
+import sys
+import time
+
+import mcrdl
+from mcrdl import cli
+from mcrdl.backends.mpi import MPIBackend
+
+SLOW_BYTES, SLOW_CALLS = 65536, 3  # --warmup 1, --large-iters 2, --rounds 1
+
+
+@mcrdl.register_backend
+class SlowPhaseMPI(MPIBackend):
+    name = "mpi_slow_phase"
+    slow_left = SLOW_CALLS
+
+    def _phase(self, tensor):
+        if tensor.nbytes == SLOW_BYTES and self.slow_left > 0:
+            self.slow_left -= 1
+            time.sleep(0.02)
+
+    def all_reduce(self, comm, tensor, op):
+        self._phase(tensor)
+        return super().all_reduce(comm, tensor, op)
+
+    def all_reduce_starter(self, comm, dtype, op):
+        start = super().all_reduce_starter(comm, dtype, op)
+        return lambda tensor: (self._phase(tensor), start(tensor))[1]
+
+
+sys.exit(cli.main(["tune", "--backends", "mpi_slow_phase,gloo", "--ops", "all_reduce",
+                   "--sizes", "4,256,64K", "--iters", "3", "--large-iters", "2", "--warmup", "1",
+                   "--rounds", "1", "--out", sys.argv[1]]))
