@@ -63,6 +63,8 @@ def test_bench_exits_zero_and_prints_tables(bench_run):
         assert f"{op}: latency in us" in proc.stdout, proc.stdout[-3000:]
     assert "CHECK FAILED" not in proc.stdout
     assert "plots:" in proc.stdout
+    summary = bench.selection_summary(bench.load_json(bench_run[1]["json"])[0])
+    assert summary.startswith("selection over ") and summary in proc.stdout
 
 
 def test_bench_json_metadata(bench_doc):

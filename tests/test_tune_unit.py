@@ -346,6 +346,23 @@ def test_gains_below_one_when_hysteresis_keeps_a_slower_backend():
 
 
 # -- bench helpers ---------------------------------------------------------------------------
+def test_selection_summary_counts_picks_within_5_percent_and_same_backend_noise():
+    results = [res("all_reduce", 4, "mpi", 10), res("all_reduce", 4, "gloo", 50),
+               res("all_reduce", 4, "mcrdl", 10.2, backend="mpi"),           # fastest, within 5%
+               res("all_reduce", 64, "mpi", 10), res("all_reduce", 64, "gloo", 50),
+               res("all_reduce", 64, "mcrdl", 12, backend="mpi"),            # fastest, 1.2x: noise
+               res("p2p", 4, "mpi", 10), res("p2p", 4, "gloo", 9),
+               res("p2p", 4, "mcrdl", 10, backend="mpi"),                    # not the fastest: 1.11x
+               res("p2p", 64, "mpi", 10), res("p2p", 64, "gloo", 30),
+               res("p2p", 64, "mcrdl", 8, backend="mpi"),                    # faster than itself
+               res("p2p", 64, "raw-mpi", 1, backend="raw")]                  # raw variants never count
+    assert bench.selection_summary(results) == (
+        "selection over 4 points: picked the fastest forced backend at 3/4; within 5% of the fastest "
+        "at 2/4; against the same backend forced (same calls: the run's noise) median 1.01x, "
+        "over 5% slower at 1, over 5% faster at 1")
+    assert bench.selection_summary([r for r in results if r.variant != "mcrdl"]) is None
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16])
 def test_busbw_factor(n):
     assert bench.busbw_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)

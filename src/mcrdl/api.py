@@ -652,6 +652,11 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                    reduce_op=rop, invariant=list(output.shape))
 
 
+#: torch 2.13's names for the same two calls (it deprecates the ones above).
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
+
+
 def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=ReduceOp.SUM,
                    group: Optional[Group] = None, async_op: bool = False,
                    backend: Optional[str] = None) -> Optional[Work]:

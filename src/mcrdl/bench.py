@@ -218,12 +218,15 @@ class _Case:
         import torch.distributed as dist
 
         inp, out = self.inp, self.out
+        # torch >= 2.13 names (the older ones warn there); torch < 2.13 has only the older
+        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
         calls = {
             "all_reduce": lambda: dist.all_reduce(inp),
             "broadcast": lambda: dist.broadcast(inp, 0),
             "reduce": lambda: dist.reduce(inp, 0),
-            "all_gather": lambda: dist.all_gather_into_tensor(out, inp),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(out, inp),
+            "all_gather": lambda: all_gather(out, inp),
+            "reduce_scatter": lambda: reduce_scatter(out, inp),
             "gather": lambda: dist.gather(inp, list(out.chunk(n)) if out is not None else None, 0),
             "scatter": lambda: dist.scatter(out, list(inp.chunk(n)) if inp is not None else None, 0),
             "all_to_all": lambda: dist.all_to_all_single(out, inp),
@@ -514,6 +517,37 @@ def from_doc(doc: Any, source: str = "<bench>") -> tuple[list[Result], dict]:
                 fail(f"{at}.{key}", f"expected {expected}, got {shown(r[key])}")
         results.append(Result(**r))
     return results, meta
+
+
+def selection_summary(results: Sequence[Result]) -> Optional[str]:
+    """How mcrdl's selection did against the forced backends, over every
+    (op, size) measured with 'mcrdl' and at least one backend forced: where it
+    picked the fastest, where it measured within 5 % of the fastest, and, as
+    the run's noise floor, how it compared with the same backend forced (the
+    same calls through the same code)."""
+    by_point: dict[tuple, dict[str, Result]] = {}
+    for r in results:
+        by_point.setdefault((r.op, r.bytes), {})[r.variant] = r
+    picked = within = slower = faster = 0
+    same = []
+    for rs in by_point.values():
+        forced = {v: r.max_us for v, r in rs.items() if v != "mcrdl" and not v.startswith("raw-")}
+        if "mcrdl" not in rs or not forced:
+            continue
+        mine, best = rs["mcrdl"], min(forced, key=forced.get)
+        picked += mine.backend == best
+        within += mine.max_us <= 1.05 * forced[best]
+        if mine.backend in forced:
+            ratio = mine.max_us / forced[mine.backend]
+            same.append(ratio)
+            slower, faster = slower + (ratio > 1.05), faster + (ratio < 1 / 1.05)
+    if not same:
+        return None
+    n = len(same)
+    return (f"selection over {n} points: picked the fastest forced backend at {picked}/{n}; "
+            f"within 5% of the fastest at {within}/{n}; against the same backend forced "
+            f"(same calls: the run's noise) median {statistics.median(same):.2f}x, "
+            f"over 5% slower at {slower}, over 5% faster at {faster}")
 
 
 def print_tables(results: Sequence[Result], console=None) -> None:

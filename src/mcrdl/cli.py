@@ -170,6 +170,9 @@ def _cmd_bench(args, argv) -> int:
                                "large_iters": large, "rounds": rounds, "warmup": args.warmup}, b.mode)
         if rank == 0:
             bench.print_tables(results)
+            summary = bench.selection_summary(results)
+            if summary:
+                print(summary)
             if args.json:
                 bench.write_json(args.json, results, meta)
             if args.csv:

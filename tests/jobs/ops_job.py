@@ -170,6 +170,14 @@ for backend in backends:
     mcrdl.all_gather_into_tensor(out, inp, backend=backend)
     ref = torch.cat([value(r, 12, torch.float32).view(3, 4)[:, ::2] for r in range(world)])
     check(torch.equal(out, ref), "non-contiguous all_gather_into_tensor", out, ref)
+    # torch 2.13's names for all_gather_into_tensor and reduce_scatter_tensor
+    out = torch.empty(world * 4)
+    mcrdl.all_gather_single(out, value(rank, 4, torch.float32), backend=backend)
+    check(torch.equal(out, torch.cat([value(r, 4, torch.float32) for r in range(world)])), "all_gather_single")
+    out = torch.empty(4)
+    mcrdl.reduce_scatter_single(out, value(rank, 4 * world, torch.float32), backend=backend)
+    ref = reduced(range(world), 4 * world, torch.float32, "sum")[4 * rank:4 * rank + 4]
+    check(torch.equal(out, ref), "reduce_scatter_single", out, ref)
     # futures
     t = value(rank, 8, torch.float32)
     fut = mcrdl.all_reduce(t, backend=backend, async_op=True).get_future()
