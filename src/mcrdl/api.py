@@ -951,14 +951,42 @@ def irecv(tensor: torch.Tensor, src: int, group: Optional[Group] = None, tag: in
 def send(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
          backend: Optional[str] = None) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until it is sent."""
-    _p2p("send", tensor, dst, group, tag, backend, False)
+    if not _p2p_fast("send", tensor, dst, group, tag, backend):
+        _p2p("send", tensor, dst, group, tag, backend, False)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Optional[Group] = None, tag: int = 0,
          backend: Optional[str] = None) -> int:
     """Receive into ``tensor`` from global rank ``src``; returns ``src``."""
-    _p2p("recv", tensor, src, group, tag, backend, False)
+    if not _p2p_fast("recv", tensor, src, group, tag, backend):
+        _p2p("recv", tensor, src, group, tag, backend, False)
     return src
+
+
+def _p2p_fast(op: str, tensor, peer, group, tag, backend) -> bool:
+    """The fast path of a blocking send or recv (see "fast paths"); False when
+    the call must take the general path."""
+    rt = _runtime
+    g = _fast_group(rt, group, False, backend)
+    if (g is None or type(peer) is not int or type(tag) is not int
+            or not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or not tensor.is_contiguous()):
+        return False
+    nbytes = tensor.nbytes
+    key = (op, nbytes, tensor.dtype, backend, peer, tag)
+    name, start, gpeer = g.starters.get(key) or _remember(
+        g, key, _p2p_fast_plan(rt, g, op, tensor, peer, tag, backend))
+    reads, writes = ((tensor,), ()) if op == "send" else ((), (tensor,))
+    _block(rt, g, op, name, start, (tensor,), nbytes, reads, writes, gpeer)
+    return True
+
+
+def _p2p_fast_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, peer: int, tag: int,
+                   backend: Optional[str]):
+    gpeer = _p2p_peer(op, g, tensor, peer, tag)
+    name = rt.selector.choose(op, tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
+    be, h = rt.backends[name], g.handles[name]
+    begin = be.send if op == "send" else be.recv
+    return name, lambda t: begin(h, t, gpeer, tag), gpeer
 
 
 def _p2p(op: str, tensor, peer, group, tag, backend, async_op):
@@ -966,13 +994,9 @@ def _p2p(op: str, tensor, peer, group, tag, backend, async_op):
     return None if start is None else start(async_op)
 
 
-def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False):
-    """Validate one send/recv; return a function that starts it (None: not a member).
-    ``precheck`` also asks the selector now, so a batch refuses before sending."""
-    g = _group(group, op)
+def _p2p_peer(op: str, g: Group, tensor, peer, tag) -> int:
+    """Check one send/recv by a member of ``g``; the peer's group rank."""
     _check(op, tensor)
-    if g.rank < 0:
-        return None
     what = "dst" if op in ("send", "isend") else "src"
     if peer is None:
         raise ValueError(f"{op}: {what} is required (receiving from any source is not supported)")
@@ -981,6 +1005,17 @@ def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False
         raise ValueError(f"{op}: {what}={peer} is this rank itself")
     if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
         raise ValueError(f"{op}: tag must be a non-negative int, got {tag!r}")
+    return gpeer
+
+
+def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False):
+    """Validate one send/recv; return a function that starts it (None: not a member).
+    ``precheck`` also asks the selector now, so a batch refuses before sending."""
+    g = _group(group, op)
+    if g.rank < 0:
+        _check(op, tensor)
+        return None
+    gpeer = _p2p_peer(op, g, tensor, peer, tag)
     if precheck:
         _runtime.selector.choose(op, _nbytes(tensor), g.size, tensor.device.type, tensor.dtype,
                                  None, backend)

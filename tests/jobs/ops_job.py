@@ -147,6 +147,8 @@ for backend in backends:
                         mcrdl.recv(dst, prv, group=group, tag=3, backend=backend)
                         mcrdl.send(src, nxt, group=group, tag=3, backend=backend)
                     check(torch.equal(dst, value(prv, numel, dtype)), "send/recv", backend, dtype, numel)
+                    g = group or mcrdl.api._runtime.world
+                    check({"send", "recv"} <= {k[0] for k in g.starters}, "no p2p fast-path plan", backend)
                     dst = torch.empty(numel, dtype=dtype)
                     works = mcrdl.batch_isend_irecv([
                         mcrdl.P2POp(mcrdl.irecv, dst, prv, group, 5, backend),
