@@ -221,6 +221,7 @@ class _Case:
         # torch >= 2.13 names (the older ones warn there); torch < 2.13 has only the older
         all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
         reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        splits = [self.part] * n
         calls = {
             "all_reduce": lambda: dist.all_reduce(inp),
             "broadcast": lambda: dist.broadcast(inp, 0),
@@ -230,7 +231,7 @@ class _Case:
             "gather": lambda: dist.gather(inp, list(out.chunk(n)) if out is not None else None, 0),
             "scatter": lambda: dist.scatter(out, list(inp.chunk(n)) if inp is not None else None, 0),
             "all_to_all": lambda: dist.all_to_all_single(out, inp),
-            "all_to_allv": lambda: dist.all_to_all_single(out, inp, [self.part] * n, [self.part] * n),
+            "all_to_allv": lambda: dist.all_to_all_single(out, inp, splits, splits),
         }
         if op == "p2p":
             return self._pingpong(lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p))

@@ -116,6 +116,21 @@ def _store_address(single_host: bool) -> str:
                        "MCRDL_MASTER_ADDR (or GLOO_SOCKET_IFNAME)")
 
 
+def _serve_store(sock: socket.socket, world_size: int, timeout: timedelta, **kw):
+    """The rendezvous store's server on the listening ``sock``, which it takes over."""
+    import torch.distributed as dist
+
+    host, port = sock.getsockname()[:2]
+    try:
+        store = dist.TCPStore(host, port, world_size, True, timeout=timeout,
+                              master_listen_fd=sock.fileno(), **kw)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns (and closes) the socket now
+    return store
+
+
 def _listen(host: str, port: int = 0) -> socket.socket:
     """A listening TCP socket on ``host`` (an address or a name) only, on
     ``port`` (0: a free one)."""
@@ -269,14 +284,7 @@ class Runtime:
                         raise RuntimeError(f"the store address resolves to {host} on rank 0, which "
                                            "other hosts cannot reach: set MCRDL_MASTER_ADDR to an "
                                            "address of rank 0's host")
-                    try:
-                        store = dist.TCPStore(host, sock.getsockname()[1], self.world_size, True,
-                                              timeout=td, wait_for_workers=False,
-                                              master_listen_fd=sock.fileno())
-                    except BaseException:
-                        sock.close()
-                        raise
-                    sock.detach()  # the store's server owns (and closes) the socket now
+                    store = _serve_store(sock, self.world_size, td, wait_for_workers=False)
                     msg = (host, store.port)
                 except Exception as exc:  # noqa: BLE001 - reported on every rank
                     msg = f"{type(exc).__name__}: {exc}"
@@ -296,14 +304,7 @@ class Runtime:
         if self.rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             # mcrdl serves the store: on MASTER_ADDR only (torch's TCPStore alone
             # would listen on every interface)
-            sock = _listen(host, port)
-            try:
-                store = dist.TCPStore(host, port, self.world_size, True, timeout=td,
-                                      master_listen_fd=sock.fileno())
-            except BaseException:
-                sock.close()
-                raise
-            sock.detach()  # the store's server owns (and closes) the socket now
+            store = _serve_store(_listen(host, port), self.world_size, td)
         else:
             store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
         return dist.PrefixStore("mcrdl/", store)

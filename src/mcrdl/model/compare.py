@@ -199,7 +199,8 @@ def compare(cfg: Config, log: list[dict], cost: Optional[CostModel] = None,
     n = len(ranks)
     for r in ranks:
         for x, ch in stages[coords(cfg, r)["pipeline"]]:
-            cell = pred.setdefault((x.dim, OP_CLASS.get(x.op, x.op)), {"count": 0.0, "bytes": 0.0, "s": 0.0, "backends": set()})
+            cell = pred.setdefault((x.dim, OP_CLASS.get(x.op, x.op)),
+                                   {"count": 0.0, "bytes": 0.0, "s": 0.0, "backends": set()})
             cell["count"] += x.count * iterations / n
             cell["bytes"] += x.count * x.message_bytes * iterations / n
             cell["s"] += x.count * ch.time_us * 1e-6 * iterations / n

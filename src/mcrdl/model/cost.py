@@ -40,16 +40,17 @@ _DERIVE_FROM = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all
                 "reduce", "gather", "scatter")
 MODEL_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_allv", "p2p",
              "broadcast", "reduce", "gather", "scatter")
-_BLOCKED = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all", "all_to_allv")
 
 
 def steps(op: str, g: int) -> float:
-    """L(g): latency steps of the algorithm assumed for ``op`` on ``g`` ranks."""
+    """L(g): latency steps of the algorithm assumed for ``op`` (as its selection
+    class: all_to_allv as all_to_all) on ``g`` ranks."""
+    op = OP_CLASS.get(op, op)
     if g < 2:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (g - 1)
-    if op in _BLOCKED:
+    if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
         return float(g - 1)
     if op in ("broadcast", "reduce"):
         return float(math.ceil(math.log2(g)))
@@ -57,12 +58,13 @@ def steps(op: str, g: int) -> float:
 
 
 def volume(op: str, g: int) -> float:
-    """W(g): bytes crossing a rank's link per byte of lookup size."""
+    """W(g): bytes crossing a rank's link per byte of lookup size (as L(g))."""
+    op = OP_CLASS.get(op, op)
     if g < 2:
         return 0.0
     if op == "all_reduce":
         return 2.0 * (g - 1) / g
-    if op in _BLOCKED:
+    if op in ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all"):
         return (g - 1) / g
     if op in ("broadcast", "reduce"):
         return float(math.ceil(math.log2(g)))

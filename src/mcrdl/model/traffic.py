@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..tuning import OP_CLASS
 from .config import Config
 
 #: Dimension labels, in report order.
@@ -200,9 +201,10 @@ def sent_per_call(op: str, group: int, nbytes: float) -> float:
     """Bytes one rank sends for one call of ``op`` on a group (ring / pairwise)."""
     if group < 2:
         return 0.0
+    op = OP_CLASS.get(op, op)
     if op == "all_reduce":
         return 2 * (group - 1) / group * nbytes
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_to_allv"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (group - 1) / group * nbytes
     return float(nbytes)  # p2p
 
@@ -358,7 +360,7 @@ def comm_matrix(cfg: Config, ring: str = "bidirectional") -> dict:
                 continue
             g = group_of(cfg, x.dim, r)
             i = g.index(r)
-            if x.op in ("all_to_all", "all_to_allv"):
+            if OP_CLASS.get(x.op, x.op) == "all_to_all":
                 for j in g:
                     if j != r:
                         mat[r, j] += vol / (len(g) - 1)
