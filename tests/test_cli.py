@@ -18,12 +18,57 @@ def mcrdl_cli(*args, timeout=120):
 
 
 def test_mpiexec_command_uses_the_wheels_mpiexec_and_this_python():
-    cmd = launcher.build_command(4, ["train.py", "--lr", "1"], hosts="a,b")
+    cmd = launcher.build_command(4, ["train.py", "--lr", "1"], hosts="a:2,b")
     assert cmd[0].endswith("mpiexec") and cmd[1:3] == ["-n", "4"]
-    assert cmd[3:5] == ["-hosts", "a,b"]
-    assert cmd[5:] == [sys.executable, "train.py", "--lr", "1"]
-    assert launcher.build_command(2, ["x.py"], hostfile="hf")[3:5] == ["-f", "hf"]
+    assert cmd[3:6] == ["-genv", "MASTER_ADDR", "a"] and cmd[6:8] == ["-genv", "MASTER_PORT"]
+    assert cmd[9:11] == ["-hosts", "a:2,b"]
+    assert cmd[11:] == [sys.executable, "-m", "mcrdl.rank_env", sys.executable, "train.py", "--lr", "1"]
     assert launcher.build_command(2, ["-m", "pkg.mod"])[-3:] == [sys.executable, "-m", "pkg.mod"]
+
+
+def test_master_address_from_environment_hosts_or_hostfile(tmp_path, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("# nodes\n\nnode7:4\nnode8:4\n")
+    cmd = launcher.build_command(2, ["x.py"], hostfile=str(hostfile))
+    assert cmd[9:11] == ["-f", str(hostfile)] and cmd[5] == "node7"
+    addr, port = launcher.master_address()
+    assert addr == "127.0.0.1" and 0 < int(port) < 65536
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    assert launcher.master_address(hosts="a,b") == ("10.1.2.3", "29511")
+
+
+def test_rank_env_maps_each_launchers_variables_to_torchruns():
+    from mcrdl.rank_env import torchrun_env
+
+    hydra = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert torchrun_env(hydra) == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+                                   "LOCAL_WORLD_SIZE": "2", "ROLE_RANK": "3", "ROLE_WORLD_SIZE": "4"}
+    ompi = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
+    assert torchrun_env(ompi)["LOCAL_WORLD_SIZE"] == "4" and torchrun_env(ompi)["RANK"] == "5"
+    slurm = {"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "2",
+             "SLURM_TASKS_PER_NODE": "3(x2),1", "SLURM_JOB_ID": "12345"}
+    env = torchrun_env(slurm)
+    assert (env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"], env["MASTER_PORT"]) == ("1", "2", "32345")
+    with pytest.raises(RuntimeError, match="no launcher variables found"):
+        torchrun_env({"RANK": "0"})
+
+
+def test_every_rank_of_mcrdl_run_has_torchruns_environment(tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text("import os, json\nprint(json.dumps({k: os.environ.get(k) for k in ("
+                      "'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', "
+                      "'MASTER_PORT', 'PMI_RANK')}))\n")
+    proc = mcrdl_cli("run", "-n", "3", str(script))
+    assert proc.returncode == 0, proc.stderr
+    envs = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda e: e["RANK"])
+    assert [e["RANK"] for e in envs] == ["0", "1", "2"]
+    assert all(e["RANK"] == e["PMI_RANK"] == e["LOCAL_RANK"] for e in envs)
+    assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs} == {("3", "3", "127.0.0.1")}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
 
 
 def test_srun_and_torchrun_commands():

@@ -23,18 +23,24 @@ def python(code, timeout=120, env=None):
     return proc.stdout
 
 
-def test_importing_mcrdl_registers_nothing_and_register_is_idempotent():
+def test_import_torch_registers_mcrdl_without_importing_it_and_register_is_idempotent():
     out = python(
-        "import torch.distributed as d, mcrdl\n"
-        "assert 'MCRDL' not in d.Backend._plugins\n"
-        "import mcrdl.integrations.torch_backend as tb\n"
-        "assert 'MCRDL' not in d.Backend._plugins and not tb.is_registered()\n"
-        "assert tb.register() == 'mcrdl' and tb.register() == 'mcrdl' and tb.is_registered()\n"
+        "import sys, torch.distributed as d\n"
+        "import mcrdl_torch_plugin as p\n"
+        "assert d.Backend._plugins['MCRDL'].creator_fn is p.create_backend\n"
+        "assert 'mcrdl' not in sys.modules  # torch's autoload names the backend only\n"
         "assert d.Backend.MCRDL == 'mcrdl' and 'mcrdl' in d.Backend.backend_list\n"
         "assert d.Backend.backend_capability['mcrdl'] == ['cpu', 'cuda']\n"
+        "import mcrdl, mcrdl.integrations.torch_backend as tb\n"
+        "assert tb.is_registered() and tb.register() == 'mcrdl' and tb.register() == 'mcrdl'\n"
         "try:\n    tb.register('gloo')\nexcept RuntimeError as e:\n    print('refused:', e)\n"
         "assert not mcrdl.is_initialized()\n")
     assert "refused: a different torch.distributed backend is already registered as 'gloo'" in out
+    python("import torch.distributed as d\n"
+           "assert 'MCRDL' not in d.Backend._plugins\n"
+           "import mcrdl.integrations.torch_backend as tb\n"
+           "assert not tb.is_registered() and tb.register() == 'mcrdl' and tb.is_registered()\n",
+           env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
 
 
 def test_reduce_ops_map_or_are_refused_by_name():

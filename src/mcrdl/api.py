@@ -33,8 +33,16 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
                        timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,
                        op_backends: Optional[Mapping[str, str]] = None,
                        tuning_table: Union[None, str, dict, TuningTable] = None,
-                       debug: Optional[bool] = None, comms_log: Optional[bool] = None) -> None:
+                       debug: Optional[bool] = None, comms_log: Optional[bool] = None,
+                       store=None, rank: Optional[int] = None,
+                       world_size: Optional[int] = None) -> None:
     """Start every requested backend that can start in this job.
+
+    Identity and rendezvous: from MPI when an MPI launcher started the job, else
+    from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``); or, as torch's, from ``store`` (any torch Store) with
+    ``rank`` and ``world_size`` — MPI is then live too if an MPI launcher
+    started a world of that size.
 
     ``backends``: names to start (default: all registered; those that cannot
     start here are listed by :func:`available_backends`). ``default_backend``:
@@ -49,7 +57,7 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
     if _runtime is not None:
         raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
-                       comms_log)
+                       comms_log, store, rank, world_size)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
     try:
         _check_same_selection(_runtime)
@@ -153,8 +161,10 @@ def get_local_size() -> int:
 
 def new_group(ranks: Optional[Sequence[int]] = None,
               timeout: Union[None, timedelta, float] = None) -> Group:
-    """A group of ``ranks`` (all ranks when None); every rank must call it,
-    in the same order. Ops on a group this rank is not in return None."""
+    """A group of ``ranks`` (all ranks when None). As ``torch.distributed.new_group``:
+    every rank calls it, in the same order, but only the members build
+    anything; non-members get a group whose ops return None. Members that
+    disagree (groups made in another order) get an error naming the ranks."""
     rt = _rt()
     return rt.new_group(range(rt.world_size) if ranks is None else ranks, timeout)
 

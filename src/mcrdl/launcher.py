@@ -4,6 +4,13 @@
 wheel, or the one on PATH, or one given by path; multi-host runs use its
 ``-hosts``/``-f`` options. ``srun`` and ``torchrun`` are forwarded to as is.
 
+Every rank started through ``mpiexec`` or ``srun`` runs under
+:mod:`mcrdl.rank_env`, which gives it torchrun's environment (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) before the program starts; ``MASTER_ADDR``/``MASTER_PORT``
+(from the environment, else the first host and a free port) are the same on
+every rank.
+
 Binding (``bind``): ``none`` (default) leaves placement to the OS; ``core``
 pins each rank to one core (``mpiexec -bind-to core``, ``srun --cpu-bind=cores``).
 Pinned, MPI calls no longer suffer the phases in which the scheduler puts two
@@ -16,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from typing import Optional, Sequence
@@ -53,6 +61,29 @@ def program(argv: Sequence[str]) -> list[str]:
     return [exe, *argv[1:]]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (the OS's pick; torchrun does the same)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def master_address(hosts: Optional[str] = None, hostfile: Optional[str] = None) -> tuple[str, str]:
+    """``MASTER_ADDR``/``MASTER_PORT`` for an mpiexec job: the environment's, else the
+    first host (Hydra places rank 0 there) or loopback, and a port free on this host."""
+    env = os.environ
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        first = None
+        if hosts:
+            first = hosts.split(",")[0]
+        elif hostfile:
+            with open(hostfile) as f:
+                first = next((ln.split("#")[0].strip() for ln in f if ln.split("#")[0].strip()), None)
+        addr = first.split(":")[0] if first else "127.0.0.1"
+    return addr, env.get("MASTER_PORT") or str(free_port())
+
+
 def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
                   hosts: Optional[str] = None, hostfile: Optional[str] = None,
                   mpiexec: Optional[str] = None, extra: Sequence[str] = (),
@@ -63,18 +94,21 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
     if bind not in BINDINGS:
         raise ValueError(f"unknown binding {bind!r} (expected one of {', '.join(BINDINGS)})")
     prog = program(argv)
+    with_env = [sys.executable, "-m", "mcrdl.rank_env", *prog]  # torchrun's variables per rank
     if launcher == "mpiexec":
-        cmd = [find_mpiexec(mpiexec), "-n", str(nprocs)]
+        addr, port = master_address(hosts, hostfile)
+        cmd = [find_mpiexec(mpiexec), "-n", str(nprocs), "-genv", "MASTER_ADDR", addr,
+               "-genv", "MASTER_PORT", port]
         if hosts:
             cmd += ["-hosts", hosts]
         if hostfile:
             cmd += ["-f", hostfile]
         if bind == "core":
             cmd += ["-bind-to", "core"]
-        return cmd + list(extra) + prog
+        return cmd + list(extra) + with_env
     if launcher == "srun":
         return ["srun", "-n", str(nprocs), *(["--cpu-bind=cores"] if bind == "core" else []),
-                *extra, *prog]
+                *extra, *with_env]
     if launcher == "torchrun":
         if bind == "core":
             raise ValueError("torchrun cannot bind ranks to cores: use mpiexec or srun, or --bind none")

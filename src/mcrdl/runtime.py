@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import socket
 import sys
+import time
 import warnings
 from datetime import timedelta
 from typing import Iterable, Mapping, Optional, Sequence, Union
@@ -178,6 +180,34 @@ def _check_launch_size(world_size: int, MPI) -> None:
                 "PATH), or make mpi4py load the launcher's MPI")
 
 
+def _check_in(store, group: Group) -> None:
+    """Every member of ``group`` writes the ranks it means by the group's name, then
+    reads the others': a different view (groups created in another order) or a
+    member absent past the group's timeout raises, naming the ranks."""
+    mine = json.dumps(group.ranks)
+    me = group.ranks[group.rank]
+    store.set(f"members/{me}", mine)
+    deadline = time.monotonic() + group.timeout
+    for r in group.ranks:
+        key = f"members/{r}"
+        if r == me:
+            continue
+        try:
+            store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError:  # the store's timeout (DistStoreError)
+            missing = [m for m in group.ranks if not store.check([f"members/{m}"])]
+            raise CommTimeoutError(
+                f"new_group {group.name} (ranks {list(group.ranks)}): ranks {missing} did not "
+                f"create it within {group.timeout:g} s; every rank must create groups in the "
+                "same order (as with torch.distributed.new_group)") from None
+        theirs = store.get(key).decode()
+        if theirs != mine:
+            raise RuntimeError(
+                f"new_group {group.name}: rank {r} created it as ranks {theirs}, rank {me} as "
+                f"{mine}: groups were created in a different order on different ranks (every rank "
+                "must make the same new_group calls in the same order)")
+
+
 class Runtime:
     """Everything one initialised job holds. Created by
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
@@ -185,7 +215,8 @@ class Runtime:
     def __init__(self, backends: Optional[Iterable[str]], default_backend: Optional[str],
                  timeout: float, op_backends: Optional[Mapping[str, str]],
                  tuning_table: Union[None, str, dict, TuningTable], debug: Optional[bool],
-                 comms_log: Optional[bool] = None):
+                 comms_log: Optional[bool] = None, store=None, rank: Optional[int] = None,
+                 world_size: Optional[int] = None):
         requested = list(REGISTRY) if backends is None else list(backends)
         for name in requested:
             if name not in REGISTRY:
@@ -205,7 +236,11 @@ class Runtime:
         self.engine = Engine()
         self.mpi_comm = None
         self.store = None
-        self._launch()
+        self._group_count = 0  # mcrdl.new_group calls (every rank makes them, in the same order)
+        if store is None:
+            self._launch()
+        else:
+            self._join(store, rank, world_size)
         self.unavailable: dict[str, str] = {}
         self.backends: dict[str, Backend] = {}
         if self.store is None and (any(n in requested for n in ("gloo", "nccl"))
@@ -213,8 +248,8 @@ class Runtime:
             self.store = self._make_store()
         self.health = None
         if self.store is not None and beat > 0 and self.world_size > 1:
-            serving = 0 if (self.mpi_comm is not None or
-                            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True") else None
+            serving = 0 if store is None and (self.mpi_comm is not None or
+                                              os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True") else None
             self.health = Health(self.store, self.rank, beat, serving)
         self._abort_at_exit = False
         self.engine.on_failure = self._on_failure
@@ -265,6 +300,31 @@ class Runtime:
             self.local_rank = int(env.get("LOCAL_RANK", 0))
             self.local_size = int(env.get("LOCAL_WORLD_SIZE", 1))
 
+    def _join(self, store, rank: Optional[int], world_size: Optional[int]) -> None:
+        """Identity and rendezvous from a caller's store (torch's ``init_method``/``store=``:
+        TCPStore, FileStore, HashStore, PrefixStore...). MPI is live too when an MPI launcher
+        started a world of the same size; its ranks are renumbered to the caller's."""
+        if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
+            raise ValueError(f"init_process_group: with store=, rank and world_size must be given "
+                             f"(0 <= rank < world_size), got rank={rank!r}, world_size={world_size!r}")
+        import torch.distributed as dist
+
+        self.rank, self.world_size = rank, world_size
+        self.store = dist.PrefixStore("mcrdl/", store)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if not mpi_launched():
+            return
+        MPI = import_mpi()
+        if MPI.COMM_WORLD.Get_size() != world_size:
+            warnings.warn(f"mcrdl: MPI not used: the MPI launcher started {MPI.COMM_WORLD.Get_size()} "
+                          f"processes but this job's world has {world_size}")
+            return
+        self.mpi_comm = MPI.COMM_WORLD.Split(0, rank)  # MPI rank = the caller's rank
+        local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+
     def _make_store(self):
         import torch.distributed as dist
 
@@ -311,21 +371,38 @@ class Runtime:
 
     # -- groups -------------------------------------------------------------------
     def new_group(self, ranks: Iterable[int], timeout: Optional[float] = None,
-                  name: Optional[str] = None) -> Group:
+                  name: Optional[str] = None, store=None) -> Group:
+        """A group of ``ranks``. Only its members build anything, with every live
+        backend (MPI: ``Comm.Create_group``; gloo/nccl: a process group on the
+        group's store), as in torch: so it may be called on the members alone
+        (torch's backend creator, with ``name`` and ``store`` given) or on every
+        rank in the same order (``mcrdl.new_group``; non-members get a group
+        with rank -1). Members first check in on the store with the group's
+        timeout: a member missing or seeing other ranks under this name is an
+        error naming them, never a hang or a crossed group."""
         ranks = sorted(set(int(r) for r in ranks))
         if not ranks:
             raise ValueError("new_group: ranks is empty")
         bad = [r for r in ranks if not 0 <= r < self.world_size]
         if bad:
             raise ValueError(f"new_group: ranks {bad} are outside the world of {self.world_size}")
-        tag = name or f"group{len(self.groups)}"
         seconds = self.timeout if timeout is None else _seconds(timeout)
         if not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(f"new_group: timeout must be a positive number of seconds or a "
                              f"timedelta, got {timeout!r}")
-        group = Group(ranks, self.rank, seconds, tag, self)
-        for bname, backend in self.backends.items():
-            group.handles[bname] = backend.new_group(group.ranks, group.rank, tag, seconds)
+        if name is None:
+            name = f"group{self._group_count}"
+            self._group_count += 1
+        group = Group(ranks, self.rank, seconds, name, self)
+        if group.rank >= 0:
+            if store is None and self.store is not None:
+                import torch.distributed as dist
+
+                store = dist.PrefixStore(f"groups/{name}/", self.store)
+            if store is not None:
+                _check_in(store, group)
+            for bname, backend in self.backends.items():
+                group.handles[bname] = backend.new_group(group.ranks, group.rank, store, seconds)
         self.groups.append(group)
         return group
 

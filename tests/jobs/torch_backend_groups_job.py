@@ -1,6 +1,7 @@
 """The "mcrdl" torch backend: rank agreement, torch sub-groups mapped to mcrdl groups,
 and the errors for what cannot work (run on 2 or 4 ranks)."""
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,38 +32,49 @@ bad["rank"] = world - 1 - rank
 bad["store"] = dist.PrefixStore("swapped/", bad["store"])
 if world - 1 - rank != rank:
     refused(lambda: dist.init_process_group("mcrdl", **bad), "torch.distributed says this process is rank",
-            f"mcrdl (started from an earlier mcrdl.init_process_group()) says rank {rank}")
+            f"mcrdl (already initialised) says rank {rank}")
     check(not dist.is_initialized(), "torch default group left unset after the refusal")
 
 # 2. the real default group
 dist.init_process_group("mcrdl", **tb.init_kwargs())
 check(dist.get_rank() == rank and dist.get_world_size() == world, "default group ranks")
 check(dist.group.WORLD.mcrdl_group is mcrdl.api._rt().world, "default group is mcrdl's world")
+live = mcrdl.live_backends()
 
-# 3. a torch group of all ranks maps to mcrdl's world
+
+def all_reduce_everywhere(group, ranks):
+    """torch's all_reduce on ``group``, and mcrdl's on its group forced to every live backend."""
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    check(t.tolist() == [float(sum(r + 1 for r in ranks))] * 3, "all_reduce on", ranks, t)
+    for b in live:
+        t = torch.full((3,), float(rank + 1))
+        mcrdl.all_reduce(t, group=group.mcrdl_group, backend=b)
+        check(t.tolist() == [float(sum(r + 1 for r in ranks))] * 3, "all_reduce on", ranks, b, t)
+
+
+# 3. torch groups are built by their members alone (torch calls the backend only there),
+#    with every live library: singletons, the whole world, overlapping pairs
+singles = [dist.new_group([r], backend="mcrdl") for r in range(world)]
+all_reduce_everywhere(singles[rank], [rank])
+check(all(g is dist.GroupMember.NON_GROUP_MEMBER for r, g in enumerate(singles) if r != rank),
+      "non-members get torch's placeholder")
 everyone = dist.new_group(backend="mcrdl")
-check(everyone.mcrdl_group is mcrdl.api._rt().world, "all-rank group is mcrdl's world")
-t = torch.full((3,), float(rank))
-dist.all_reduce(t, group=everyone)
-check(t.tolist() == [float(sum(range(world)))] * 3, "all-rank group all_reduce", t)
+all_reduce_everywhere(everyone, list(range(world)))
+pairs = [[r, (r + 1) % world] for r in range(world)] if world > 2 else [[0, 1]]
+pair_groups = [dist.new_group(sorted(p)) for p in pairs]  # default backend: mcrdl
+for p, g in zip(pairs, pair_groups):
+    if rank in p:
+        all_reduce_everywhere(g, sorted(p))
+check(dist.new_group([world - 1], backend="mcrdl") is not None, "more groups keep working")
 
-# 4. a torch sub-group with no mcrdl group of its ranks: torch calls the backend on its
-#    members only, so mcrdl cannot create one there; refused with the remedy
-lonely = [world - 1]
-if rank == world - 1:
-    refused(lambda: dist.new_group(lonely, backend="mcrdl"), f"no mcrdl group with ranks {lonely}",
-            f"mcrdl.new_group({lonely})")
-else:
-    check(dist.new_group(lonely, backend="mcrdl") is dist.GroupMember.NON_GROUP_MEMBER, "non-member")
-
-# 5. sub-groups: create the mcrdl group first (collective on every rank), then torch's
+# 4. sub-groups: ranks, roots and peers map between torch's group ranks and mcrdl's
 odd = list(range(1, world, 2))
 even = list(range(0, world, 2))
-m_odd, m_even = mcrdl.new_group(odd), mcrdl.new_group(even)
 t_odd = dist.new_group(odd, backend="mcrdl")
 t_even = dist.new_group(even, backend="mcrdl")
 mine, my_ranks = (t_odd, odd) if rank in odd else (t_even, even)
-check(mine.mcrdl_group is (m_odd if rank in odd else m_even), "sub-group maps to the mcrdl group")
+check(list(mine.mcrdl_group.ranks) == my_ranks, "sub-group maps to an mcrdl group of its ranks")
 check(dist.get_world_size(mine) == len(my_ranks) and dist.get_rank(mine) == my_ranks.index(rank),
       "sub-group rank/size")
 t = torch.full((2,), float(rank + 1))
@@ -86,6 +98,31 @@ if len(my_ranks) > 1:
         check(got.item() == 7.0 + a, "sub-group send/recv", got)
 dist.barrier()
 
+# 5. mcrdl.new_group follows torch's rule: every rank calls, only members build
+m_even = mcrdl.new_group(even)
+check(m_even.rank == (even.index(rank) if rank in even else -1), "mcrdl group rank", m_even.rank)
+t = torch.ones(1)
+res = mcrdl.all_reduce(t, group=m_even)
+check(res is None and t.item() == (len(even) if rank in even else 1.0), "mcrdl sub-group", t)
+
 refused(lambda: dist.all_reduce(torch.ones(1), op=dist.ReduceOp.BXOR), "ReduceOp.BXOR", "not supported")
+
+# 6. groups created in a different order on different ranks: every rank gets an error
+#    naming the group and the two views, at once (no hang, no crossed group)
+if world > 2:
+    first = [0, 1] if rank == 0 else list(range(world))
+    refused(lambda: dist.new_group(first, backend="mcrdl"), "created in a different order",
+            "rank 0 created it as ranks [0, 1]" if rank else f"rank 1 created it as ranks {list(range(world))}")
+else:  # rank 0 makes [0] then [0, 1]; rank 1 [0, 1] then [0]
+    quick = timedelta(seconds=2)
+    if rank == 0:
+        dist.new_group([0], backend="mcrdl", timeout=quick)
+        refused(lambda: dist.new_group([0, 1], backend="mcrdl", timeout=quick),
+                "ranks [1] did not create it within 2 s", "same order")
+    else:
+        refused(lambda: dist.new_group([0, 1], backend="mcrdl", timeout=quick),
+                "created in a different order", "rank 0 created it as ranks [0]")
+        dist.new_group([0], backend="mcrdl", timeout=quick)
+dist.barrier()
 print(f"rank {rank}: TORCH BACKEND GROUPS OK")
 dist.destroy_process_group()

@@ -56,10 +56,11 @@ class Backend:
     def version(self) -> str:
         return ""
 
-    def new_group(self, ranks: Sequence[int], group_rank: int, tag: str, timeout: float) -> Any:
-        """Create this backend's handle for a group; called on every rank of the
-        world in the same order (``group_rank`` is -1 on non-members, which
-        may return None). ``timeout``: the group's, in seconds."""
+    def new_group(self, ranks: Sequence[int], group_rank: int, store: Any, timeout: float) -> Any:
+        """Create this backend's handle for a group of global ``ranks``; called on
+        the group's members only, each at its ``group_rank``, after they all
+        checked in. ``store``: a torch Store private to this group (None when
+        the job has none); ``timeout``: the group's, in seconds."""
         raise NotImplementedError
 
     def destroy_group(self, handle: Any) -> None:

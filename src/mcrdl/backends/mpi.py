@@ -35,6 +35,11 @@ def import_mpi():
     return MPI
 
 
+#: Tag of communicator creation on the world communicator: members check in on
+#: the store first, so no two creations involving one rank overlap.
+GROUP_TAG = 7411
+
+
 class MPIPending(Pending):
     """An mpi4py request; MPI progresses only inside MPI calls. It holds the
     tensors whose memory MPI uses (raw addresses keep nothing alive)."""
@@ -109,13 +114,17 @@ class MPIBackend(Backend):
             return f"MPI backend has no datatype for {dtype}"
         return None
 
-    def new_group(self, ranks, group_rank, tag, timeout):
+    def new_group(self, ranks, group_rank, store, timeout):
         world = self.ctx.mpi_comm
         if len(ranks) == world.Get_size():
             return world.Dup()
-        color = 0 if group_rank >= 0 else self.MPI.UNDEFINED
-        comm = world.Split(color, group_rank)
-        return None if comm == self.MPI.COMM_NULL else comm
+        world_group = world.Get_group()
+        members = world_group.Incl(list(ranks))
+        try:  # collective over the members only (MPI-3), like torch's new_group
+            return world.Create_group(members, GROUP_TAG)
+        finally:
+            members.Free()
+            world_group.Free()
 
     def destroy_group(self, handle):
         if handle is not None:

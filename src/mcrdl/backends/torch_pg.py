@@ -108,10 +108,8 @@ class TorchBackend(Backend):
     def _make_pg(self, store, group_rank: int, size: int, timeout: timedelta):
         raise NotImplementedError
 
-    def new_group(self, ranks, group_rank, tag, timeout):
-        if group_rank < 0:
-            return None
-        store = dist.PrefixStore(f"mcrdl/{self.name}/{tag}/", self.ctx.store)
+    def new_group(self, ranks, group_rank, store, timeout):
+        store = dist.PrefixStore(f"{self.name}/", store)
         return self._make_pg(store, group_rank, len(ranks), timedelta(seconds=timeout))
 
     # -- operations --------------------------------------------------------------

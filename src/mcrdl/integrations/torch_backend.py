@@ -36,17 +36,15 @@ See docs/torch_backend.md for the supported ops and the limits.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+import mcrdl_torch_plugin as plugin_module
 import torch
 import torch.distributed as dist
 
 from .. import api
-from ..backends.mpi import mpi_launched
 from ..runtime import Group
 from ..types import ReduceOp, UnsupportedError
 
@@ -54,10 +52,10 @@ __all__ = ["BACKEND_NAME", "MCRDLTorchWork", "ProcessGroupMCRDL", "init_kwargs",
            "init_process_group", "is_registered", "register"]
 
 #: The name torch knows the backend by (``init_process_group("mcrdl")``).
-BACKEND_NAME = "mcrdl"
+BACKEND_NAME = plugin_module.BACKEND_NAME
 #: Device types declared to torch. A device no live mcrdl backend takes
 #: (e.g. CUDA without NCCL) is refused per op by mcrdl's selector, naming op and device.
-DEVICES = ("cpu", "cuda")
+DEVICES = plugin_module.DEVICES
 
 _register_lock = threading.Lock()
 
@@ -76,15 +74,17 @@ def _plugin(name: str):
 
 
 def is_registered(name: str = BACKEND_NAME) -> bool:
-    """True if ``name`` is registered with torch by this module."""
+    """True if ``name`` is registered with torch as mcrdl."""
     plugin = _plugin(name)
-    return plugin is not None and getattr(plugin, "creator_fn", plugin) is _create_backend
+    return plugin is not None and getattr(plugin, "creator_fn", plugin) is plugin_module.create_backend
 
 
 def register(name: str = BACKEND_NAME) -> str:
     """Register mcrdl with ``torch.distributed`` under ``name`` (idempotent);
-    returns the name to pass to ``init_process_group``. Importing mcrdl never
-    does this by itself."""
+    returns the name to pass to ``init_process_group``. An installed mcrdl is
+    registered as "mcrdl" at ``import torch`` already (see
+    :mod:`mcrdl_torch_plugin`); this is for other names, or when torch's
+    autoloading is off."""
     if not dist.is_available():
         raise BackendError("torch.distributed is not available in this torch build")
     with _register_lock:
@@ -93,60 +93,55 @@ def register(name: str = BACKEND_NAME) -> str:
         if _plugin(name) is not None or name.lower() in ("gloo", "nccl", "mpi", "ucc", "xccl"):
             raise BackendError(f"a different torch.distributed backend is already registered as "
                                f"{name!r}; register mcrdl under another name")
-        dist.Backend.register_backend(name, _create_backend, extended_api=True,
+        dist.Backend.register_backend(name, plugin_module.create_backend, extended_api=True,
                                       devices=list(DEVICES))
     return name
 
 
 # -- starting mcrdl from torch's rendezvous --------------------------------------------------
-def _tcp_store(store):
-    """The TCPStore under torch's (prefix) store, or None."""
-    seen = 0
-    while isinstance(store, dist.PrefixStore) and seen < 32:
-        store = store.underlying_store
-        seen += 1
-    return store if isinstance(store, dist.TCPStore) else None
-
-
-@contextlib.contextmanager
-def _environ(**values: str):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _start_mcrdl(store, rank: int, size: int, timeout) -> str:
-    """Initialise mcrdl for torch's world ``(rank, size)``; returns where its
-    identity came from (for error messages)."""
-    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
-    kwargs = {"timeout": seconds} if seconds and seconds > 0 else {}
-    if mpi_launched():
-        api.init_process_group(**kwargs)  # rank and size from MPI; mcrdl's own store
-        return "MPI"
-    tcp = _tcp_store(store)
-    if tcp is not None:
-        # torch's rendezvous already serves a TCPStore: mcrdl joins it as a
-        # client (as under torchrun's agent store) instead of binding a second
-        # server on MASTER_PORT. mcrdl keeps its keys under "mcrdl/".
-        with _environ(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR=str(tcp.host),
-                      MASTER_PORT=str(tcp.port), TORCHELASTIC_USE_AGENT_STORE="True"):
-            api.init_process_group(**kwargs)
-        return "torch's TCPStore rendezvous"
-    if size > 1 and not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        raise BackendError(
-            f"cannot start mcrdl for a {size}-rank torch group: not launched by MPI, and torch's "
-            f"store ({type(store).__name__}) is not a TCPStore mcrdl could join. Launch with "
-            f"`mcrdl run`/mpiexec or torchrun, use an env:// or tcp:// rendezvous, or call "
-            f"mcrdl.init_process_group() before torch.distributed.init_process_group('mcrdl')")
-    api.init_process_group(**kwargs)
-    return "the RANK/WORLD_SIZE environment" if size > 1 else "a 1-rank world"
+def _create_backend(dist_opts, backend_options=None) -> "ProcessGroupMCRDL":
+    """The creator torch calls (extended API) for every group using "mcrdl", on the
+    group's members only. The default group starts mcrdl on torch's store, rank
+    and size (whatever the ``init_method``; MPI joins when an MPI launcher
+    started the job); a sub-group becomes an mcrdl group built by its members
+    on the sub-group's store."""
+    rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
+    global_ranks = [int(r) for r in (dist_opts.global_ranks_in_group or [])]
+    is_world = not global_ranks  # torch passes no ranks for the default group
+    timeout = _wait_seconds(dist_opts.timeout)
+    if not api.is_initialized():
+        if not is_world:
+            raise BackendError(
+                f"mcrdl backend: the sub-group {global_ranks} cannot start mcrdl (starting it is "
+                f"collective over all ranks, but torch calls the backend only on the group's "
+                f"members): make \"mcrdl\" the default group's backend, or call "
+                f"mcrdl.init_process_group() on every rank first")
+        api.init_process_group(store=dist_opts.store, rank=rank, world_size=size,
+                               **({"timeout": timeout} if timeout else {}))
+        return ProcessGroupMCRDL(api._rt().world, rank, size)
+    rt = api._rt()
+    if is_world:
+        if (rank, size) != (rt.rank, rt.world_size):
+            raise BackendError(
+                f"torch.distributed says this process is rank {rank} of {size}, but mcrdl (already "
+                f"initialised) says rank {rt.rank} of {rt.world_size}: torch's rank/world_size must "
+                f"be mcrdl's (use mcrdl.integrations.torch_backend.init_process_group(), or "
+                f"init_process_group('mcrdl', **init_kwargs()))")
+        return ProcessGroupMCRDL(rt.world, rank, size)
+    t_rank = _torch_global_rank()
+    if t_rank is not None and t_rank != rt.rank:
+        raise BackendError(f"torch.distributed's global rank {t_rank} differs from mcrdl's rank "
+                           f"{rt.rank}: the torch default group and mcrdl must number ranks alike")
+    if global_ranks[rank] != rt.rank or global_ranks[-1] >= rt.world_size:
+        raise BackendError(f"mcrdl backend: group ranks {global_ranks} (this process at position "
+                           f"{rank}) do not match mcrdl's world of {rt.world_size} (this process "
+                           f"rank {rt.rank})")
+    if global_ranks != sorted(set(global_ranks)):
+        raise BackendError(f"mcrdl backend: group ranks {global_ranks} are not in ascending "
+                           "order; mcrdl groups order their ranks ascending")
+    group = rt.new_group(global_ranks, timeout, name=f"torch:{dist_opts.group_id}",
+                         store=dist_opts.store)
+    return ProcessGroupMCRDL(group, rank, size)
 
 
 def _torch_global_rank() -> Optional[int]:
@@ -154,58 +149,6 @@ def _torch_global_rank() -> Optional[int]:
         return dist.get_rank() if dist.is_initialized() else None
     except Exception:  # noqa: BLE001 - the default group may be mid-construction
         return None
-
-
-def _create_backend(dist_opts, backend_options=None) -> "ProcessGroupMCRDL":
-    """The creator torch calls (extended API) for every group using "mcrdl"."""
-    rank, size = int(dist_opts.group_rank), int(dist_opts.group_size)
-    global_ranks = [int(r) for r in (dist_opts.global_ranks_in_group or [])]
-    is_world = not global_ranks  # torch passes no ranks for the default group
-    if is_world:
-        global_ranks = list(range(size))
-    if global_ranks != sorted(set(global_ranks)):
-        raise BackendError(f"mcrdl backend: group ranks {global_ranks} are not in ascending "
-                           "order; mcrdl groups order their ranks ascending")
-    source = "an earlier mcrdl.init_process_group()"
-    if not api.is_initialized():
-        torch_world = size if is_world else (dist.get_world_size() if dist.is_initialized() else None)
-        if not is_world and global_ranks != list(range(torch_world or -1)):
-            raise BackendError(
-                f"mcrdl backend: the sub-group {global_ranks} cannot start mcrdl (starting it is "
-                f"collective over all ranks, but torch calls the backend only on the group's "
-                f"members): call mcrdl.init_process_group() on every rank first")
-        source = _start_mcrdl(dist_opts.store, global_ranks[rank], len(global_ranks)
-                              if is_world else torch_world, dist_opts.timeout)
-    m_rank, m_size = api.get_rank(), api.get_world_size()
-    if is_world and (rank, size) != (m_rank, m_size):
-        raise BackendError(
-            f"torch.distributed says this process is rank {rank} of {size}, but mcrdl (started "
-            f"from {source}) says rank {m_rank} of {m_size}: torch's rank/world_size must be "
-            f"mcrdl's (use mcrdl.integrations.torch_backend.init_process_group(), or "
-            f"init_process_group('mcrdl', **init_kwargs()))")
-    t_rank = _torch_global_rank()
-    if t_rank is not None and t_rank != m_rank:
-        raise BackendError(f"torch.distributed's global rank {t_rank} differs from mcrdl's rank "
-                           f"{m_rank}: the torch default group and mcrdl must number ranks alike")
-    if global_ranks[-1] >= m_size or global_ranks[rank] != m_rank:
-        raise BackendError(f"mcrdl backend: group ranks {global_ranks} (this process at position "
-                           f"{rank}) do not match mcrdl's world of {m_size} (this process rank {m_rank})")
-    group = _mcrdl_group(global_ranks, m_size)
-    return ProcessGroupMCRDL(group, rank, size)
-
-
-def _mcrdl_group(global_ranks: List[int], world_size: int) -> Group:
-    rt = api._rt()
-    if global_ranks == list(range(world_size)):
-        return rt.world
-    for g in rt.groups:
-        if list(g.ranks) == global_ranks:
-            return g
-    raise BackendError(
-        f"mcrdl backend: no mcrdl group with ranks {global_ranks}. torch calls the backend only "
-        f"on a sub-group's members, but mcrdl.new_group() is collective over all ranks, so create "
-        f"it first on every rank: mcrdl.new_group({global_ranks}), then "
-        f"torch.distributed.new_group({global_ranks}, backend='mcrdl')")
 
 
 def init_kwargs(timeout=None) -> dict:
