@@ -452,9 +452,9 @@ def test_point_to_point_peer_outside_the_world(world, fn, what):
         fn(cpu(), 3)
 
 
-@pytest.mark.parametrize("fn", [mcrdl.recv, mcrdl.irecv], ids=["recv", "irecv"])
-def test_receive_from_any_source_is_refused(world, fn):
-    with refused(ValueError, fn.__name__, "src is required"):
+@pytest.mark.parametrize("fn", [mcrdl.send, mcrdl.isend], ids=["send", "isend"])
+def test_send_needs_a_destination(world, fn):
+    with refused(ValueError, fn.__name__, "dst is required"):
         fn(cpu(), None)
 
 

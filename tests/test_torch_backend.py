@@ -140,3 +140,36 @@ def test_example_runs():
                           text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert proc.stdout.count("same as gloo: True") == 2, proc.stdout
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("nprocs,init", [(2, "env://"), (4, "file://"), (3, "tcp://")])
+def test_one_word_switch_under_mcrdl_run(nprocs, init, tmp_path):
+    """MPI and gloo live; torch's rendezvous of any kind gives mcrdl its store."""
+    arg = {"env://": "env://", "file://": f"file://{tmp_path}/store",
+           "tcp://": f"tcp://127.0.0.1:{_free_port()}"}[init]
+    out = run_job(nprocs, "torch_backend_dropin_job.py", arg, timeout=240)
+    assert out.count(f"DROP-IN OK ({init[:-3]}, live ['mpi', 'gloo'])") == nprocs, out[-3000:]
+
+
+def test_one_word_switch_spawned_with_a_file_store(tmp_path):
+    """Ranks spawned by hand (as PyTorch's own test suite does): gloo only, FileStore rendezvous."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_LOCAL"))}
+    procs = [subprocess.Popen([sys.executable, str(JOBS / "torch_backend_dropin_job.py"),
+                               f"file://{tmp_path}/store"], cwd=JOBS, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**env, "RANK": str(r), "WORLD_SIZE": "2", "PYTHONUNBUFFERED": "1"})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    assert all("DROP-IN OK (file, live ['gloo'])" in o for o in outs), outs

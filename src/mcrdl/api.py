@@ -9,12 +9,14 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import time
 from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .backends import REGISTRY
+from .backends.base import ANY_SOURCE
 from .runtime import DEFAULT_TIMEOUT, Group, Runtime
 from .tuning import TuningTable
 from .types import CommError, P2POp, ReduceOp, UnsupportedError
@@ -943,6 +945,53 @@ def barrier(group: Optional[Group] = None, async_op: bool = False,
 
 
 _BARRIER_REF = torch.empty(0, dtype=torch.uint8)
+#: Tag of monitored_barrier's messages.
+MONITORED_BARRIER_TAG = 32001
+
+
+def monitored_barrier(group: Optional[Group] = None, timeout: Union[None, timedelta, float] = None,
+                      wait_all_ranks: bool = False) -> None:
+    """A barrier that names who is missing (torch's ``monitored_barrier``, with
+    gloo's messages): group rank 0 waits up to ``timeout`` (default: the
+    group's) for every other rank's message, then releases them; it raises
+    naming the first rank that did not arrive (every such rank with
+    ``wait_all_ranks``), and the others raise when rank 0 does not release them."""
+    g = _group(group, "monitored_barrier")
+    if g.rank < 0:
+        return
+    seconds = g.timeout if timeout is None else _seconds(timeout)
+    start = time.monotonic()
+    deadline = start + seconds
+    engine = _runtime.engine
+    token = torch.zeros(1, dtype=torch.uint8)
+    if g.rank != 0:
+        send(token, g.ranks[0], g, MONITORED_BARRIER_TAG)
+        work = irecv(token, g.ranks[0], g, MONITORED_BARRIER_TAG)
+        engine.wait(work, deadline)
+        if work._error is not None:
+            raise RuntimeError(f"Rank {g.rank} successfully reached monitoredBarrier, but received "
+                               f"errors while waiting for send/recv from rank 0. Please check rank "
+                               f"0 logs for faulty rank.")
+        return
+    works = [irecv(torch.zeros(1, dtype=torch.uint8), r, g, MONITORED_BARRIER_TAG)
+             for r in g.ranks[1:]]
+    failed = []
+    for i, work in enumerate(works, 1):
+        if not wait_all_ranks and time.monotonic() >= deadline:
+            raise RuntimeError(f"Rank 0 timed out in monitoredBarrier after {seconds * 1e3:.0f} ms")
+        engine.wait(work, deadline)
+        if work._error is not None:
+            failed.append(i)
+            if not wait_all_ranks:
+                break
+    if failed:
+        for work in works:  # withdraw the receives still outstanding
+            engine.wait(work, time.monotonic())
+        ranks = ", ".join(map(str, failed))
+        raise RuntimeError(f"Rank{'s' if len(failed) > 1 else ''} {ranks} failed to pass "
+                           f"monitoredBarrier in {seconds * 1e3:.0f} ms")
+    for r in g.ranks[1:]:
+        send(token, r, g, MONITORED_BARRIER_TAG)
 
 
 # -- point to point -----------------------------------------------------------------------
@@ -952,9 +1001,10 @@ def isend(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: in
     return _p2p("isend", tensor, dst, group, tag, backend, True)
 
 
-def irecv(tensor: torch.Tensor, src: int, group: Optional[Group] = None, tag: int = 0,
-          backend: Optional[str] = None) -> Optional[Work]:
-    """Start receiving into ``tensor`` from global rank ``src``."""
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group] = None,
+          tag: int = 0, backend: Optional[str] = None) -> Optional[Work]:
+    """Start receiving into ``tensor`` from global rank ``src`` (None: from any
+    rank of the group; ``Work.source_rank()`` names it)."""
     return _p2p("irecv", tensor, src, group, tag, backend, True)
 
 
@@ -965,12 +1015,17 @@ def send(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int
         _p2p("send", tensor, dst, group, tag, backend, False)
 
 
-def recv(tensor: torch.Tensor, src: int, group: Optional[Group] = None, tag: int = 0,
-         backend: Optional[str] = None) -> int:
-    """Receive into ``tensor`` from global rank ``src``; returns ``src``."""
-    if not _p2p_fast("recv", tensor, src, group, tag, backend):
-        _p2p("recv", tensor, src, group, tag, backend, False)
-    return src
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group] = None,
+         tag: int = 0, backend: Optional[str] = None) -> int:
+    """Receive into ``tensor`` from global rank ``src`` (None: from any rank of
+    the group); returns the sender's global rank (-1 on a non-member)."""
+    if src is not None and _p2p_fast("recv", tensor, src, group, tag, backend):
+        return src
+    work = _p2p("recv", tensor, src, group, tag, backend, True)
+    if work is None:
+        return -1
+    work.wait()
+    return work.source_rank()
 
 
 def _p2p_fast(op: str, tensor, peer, group, tag, backend) -> bool:
@@ -1009,8 +1064,11 @@ def _p2p_peer(op: str, g: Group, tensor, peer, tag) -> int:
     _check(op, tensor)
     what = "dst" if op in ("send", "isend") else "src"
     if peer is None:
-        raise ValueError(f"{op}: {what} is required (receiving from any source is not supported)")
-    gpeer = _root(op, g, peer, what)
+        if what == "dst":
+            raise ValueError(f"{op}: dst is required")
+        gpeer = ANY_SOURCE
+    else:
+        gpeer = _root(op, g, peer, what)
     if gpeer == g.rank:
         raise ValueError(f"{op}: {what}={peer} is this rank itself")
     if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:

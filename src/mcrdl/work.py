@@ -48,6 +48,10 @@ class Pending:
     def cancel(self) -> None:
         """Best effort: withdraw a request that missed its deadline."""
 
+    def source(self) -> int:
+        """Group rank a completed receive from any source got its message from."""
+        raise NotImplementedError
+
     def native_future(self) -> Optional[torch.futures.Future]:
         """A future the library itself completes, if it has a trustworthy one."""
         return None
@@ -157,6 +161,10 @@ def _conflict(new: list, old: list) -> bool:
                for d1, s1, e1, w1 in new for d2, s2, e2, w2 in old)
 
 
+#: Ops whose Work keeps its Pending after completion (``source_rank``).
+RECEIVES = frozenset({"recv", "irecv"})
+
+
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
@@ -222,6 +230,13 @@ class Work:
     def result(self) -> list[torch.Tensor]:
         """The output tensors (after :meth:`wait`)."""
         return self._result
+
+    def source_rank(self) -> int:
+        """Global rank the message came from (a completed receive; with ``src=None``
+        the one that matched)."""
+        if not self._done or self.op not in RECEIVES:
+            raise RuntimeError(f"source_rank: only a completed receive has a source ({self!r})")
+        return self.group.ranks[self._pending.source()]
 
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` completed with :meth:`result` when done.
@@ -293,7 +308,8 @@ class Work:
             error = wrapped
         self._error = error
         self._done = True
-        self._pending = None
+        if self.op not in RECEIVES:  # a receive's pending still names its sender
+            self._pending = None
         self._post = ()
 
 

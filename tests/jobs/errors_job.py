@@ -76,7 +76,7 @@ def local():
     refused(0, ValueError, ["isend", "dst", "rank 2", "not in group"], lambda: mcrdl.isend(f(), 2))
     refused(1, ValueError, ["send", "tag", "-1"], lambda: mcrdl.send(f(), peer, tag=-1))
     refused(0, ValueError, ["irecv", "tag", "-3"], lambda: mcrdl.irecv(f(), peer, tag=-3))
-    refused(1, ValueError, ["recv", "src", "required"], lambda: mcrdl.recv(f(), None))
+    refused(1, ValueError, ["send", "dst", "required"], lambda: mcrdl.send(f(), None))
     # sizes that depend on the group size
     refused(1, ValueError, ["all_gather_into_tensor", "output_tensor", "4 x 2 ranks = 8"],
             lambda: mcrdl.all_gather_into_tensor(torch.empty(4), f()))

@@ -17,6 +17,9 @@ import torch
 from ..types import ReduceOp
 from ..work import Pending
 
+#: ``peer`` of a receive from any source.
+ANY_SOURCE = -1
+
 #: Operations the runtime routes to backends (list variants map onto these).
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
        "gather", "scatter", "all_to_all_single", "barrier", "send", "recv")
@@ -116,4 +119,6 @@ class Backend:
         raise NotImplementedError
 
     def recv(self, h, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        """``peer`` is :data:`ANY_SOURCE` for a receive from any peer; the
+        Pending's ``source()`` then names the one that matched."""
         raise NotImplementedError

@@ -16,7 +16,7 @@ import torch
 
 from ..types import ReduceOp
 from ..work import Pending, spin_until
-from .base import Backend, Context
+from .base import ANY_SOURCE, Backend, Context
 
 
 def mpi_launched() -> bool:
@@ -71,6 +71,28 @@ class MPIP2PPending(MPIPending):
             self.req.Cancel()
         except Exception:  # already matched or completed: nothing to withdraw
             pass
+
+
+class MPIAnySourcePending(MPIP2PPending):
+    """A receive from any source: its status names the sender."""
+
+    __slots__ = ("status", "src")
+
+    def __init__(self, req, status, *keep: torch.Tensor):
+        super().__init__(req, *keep)
+        self.status = status
+        self.src = -1
+
+    def test(self) -> bool:
+        if self.src < 0 and self.req.Test(self.status):
+            self.src = self.status.Get_source()
+        return self.src >= 0
+
+    def block(self, deadline: float) -> bool:
+        return self.test() or spin_until(self.test, deadline)
+
+    def source(self) -> int:
+        return self.src
 
 
 class MPIBackend(Backend):
@@ -204,6 +226,9 @@ class MPIBackend(Backend):
         return MPIP2PPending(comm.Isend(self._buf(tensor), peer, tag), tensor)
 
     def recv(self, comm, tensor, peer, tag):
+        if peer == ANY_SOURCE:
+            return MPIAnySourcePending(comm.Irecv(self._buf(tensor), self.MPI.ANY_SOURCE, tag),
+                                       self.MPI.Status(), tensor)
         return MPIP2PPending(comm.Irecv(self._buf(tensor), peer, tag), tensor)
 
 

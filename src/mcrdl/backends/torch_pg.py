@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..types import ReduceOp
 from ..work import Pending
-from .base import Backend
+from .base import ANY_SOURCE, Backend
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
               ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -82,6 +82,9 @@ class TorchPending(Pending):
                                       name="mcrdl-torch-wait")
             _WAITERS.append(thread)
             thread.start()
+
+    def source(self) -> int:
+        return self.work._source_rank()
 
     def native_future(self):
         """The library's own future for this op (completed by gloo's threads),
@@ -159,6 +162,8 @@ class TorchBackend(Backend):
         return TorchPending(pg.send([tensor], peer, tag), lies=True)
 
     def recv(self, pg, tensor, peer, tag):
+        if peer == ANY_SOURCE:
+            return TorchPending(pg.recv_anysource([tensor], tag), lies=True)
         return TorchPending(pg.recv([tensor], peer, tag), lies=True)
 
 

@@ -207,6 +207,29 @@ def _one(what: str, tensors: Sequence, kind: str = "tensor") -> object:
     return tensors[0]
 
 
+def _sparse_all_reduce(t: torch.Tensor, g: Group) -> None:
+    """Sum a sparse COO tensor over ``g`` in place: every rank's indices and
+    values are all-gathered (padded to the largest count) and summed."""
+    s = t.coalesce()
+    idx, val = s.indices(), s.values()
+    counts = torch.empty(g.size, dtype=torch.int64)
+    api.all_gather_into_tensor(counts, torch.tensor([idx.shape[1]]), group=g)
+    most = int(counts.max())
+    pad = most - idx.shape[1]
+    idx = torch.nn.functional.pad(idx, (0, pad))
+    val = torch.cat([val, val.new_zeros((pad, *val.shape[1:]))])
+    all_idx = idx.new_empty((g.size * idx.shape[0], most))
+    all_val = val.new_empty((g.size * most, *val.shape[1:]))
+    api.all_gather_into_tensor(all_idx, idx.contiguous(), group=g)
+    api.all_gather_into_tensor(all_val, val.contiguous(), group=g)
+    all_idx = all_idx.view(g.size, idx.shape[0], most)
+    all_val = all_val.view(g.size, most, *val.shape[1:])
+    keep = [slice(0, int(c)) for c in counts]
+    total = torch.sparse_coo_tensor(torch.cat([all_idx[r][:, k] for r, k in enumerate(keep)], 1),
+                                    torch.cat([all_val[r][k] for r, k in enumerate(keep)]), t.shape)
+    t.copy_(total.coalesce())
+
+
 # -- Work --------------------------------------------------------------------------------------
 class MCRDLTorchWork(dist.Work):
     """A ``torch.distributed.Work`` over an mcrdl :class:`~mcrdl.Work` (or over
@@ -239,6 +262,10 @@ class MCRDLTorchWork(dist.Work):
 
     def result(self):
         return self._result
+
+    def _source_rank(self) -> int:
+        """The sender's group rank, as torch's recv(src=None) reads it."""
+        return self._work.group.group_rank(self._work.source_rank())
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
@@ -332,6 +359,11 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         t = _one(op, tensors)
         rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, t.dtype)
         g = self._g
+        if t.layout == torch.sparse_coo:
+            if rop is not ReduceOp.SUM:
+                raise UnsupportedError(f"{op}: sparse tensors reduce with SUM only (as gloo), not {rop.name}")
+            _sparse_all_reduce(t, g)
+            return MCRDLTorchWork(None, [t], op)
         return self._run(op, opts, lambda a: api.all_reduce(t, rop, group=g, async_op=a), [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -372,13 +404,17 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
                          output_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """``output_lists[r][i]``: rank r's ``input_list[i]`` (torch's layout)."""
         op = "allgather_coalesced"
-        if len(output_lists) != len(input_list):
-            raise ValueError(f"{op}: {len(output_lists)} output lists for {len(input_list)} inputs")
         g = self._g
+        if len(output_lists) != g.size or any(len(o) != len(input_list) for o in output_lists):
+            raise ValueError(f"{op}: output lists must be {g.size} (one per rank) of "
+                             f"{len(input_list)} tensors (one per input), got "
+                             f"{[len(o) for o in output_lists]}")
         return self._run_many(op, opts, [
-            (lambda o=o, i=i: api.all_gather(list(o), i, group=g, async_op=True))
-            for o, i in zip(output_lists, input_list)], output_lists)
+            (lambda i=i: api.all_gather([o[i] for o in output_lists], input_list[i], group=g,
+                                        async_op=True))
+            for i in range(len(input_list))], output_lists)
 
     def all_gather_single(self, output, input, opts=None):
         g = self._g
@@ -494,12 +530,14 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         return MCRDLTorchWork(work, [t], "recv")
 
     def recv_anysource(self, tensors, tag=0):
-        raise UnsupportedError("recv from any source (torch.distributed.recv(src=None)) is not "
-                               "supported by the mcrdl torch backend: pass src")
+        t = _one("recv", tensors)
+        work = api.irecv(t, None, group=self._g, tag=int(tag))
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return MCRDLTorchWork(work, [t], "recvAnySource")
 
-    def monitored_barrier(self, *args, **kwargs):
-        raise UnsupportedError("monitored_barrier is not supported by the mcrdl torch backend "
-                               "(use barrier(); every mcrdl wait has a deadline)")
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        api.monitored_barrier(self._g, timeout, wait_all_ranks=bool(wait_all_ranks))
 
     # -- old-style coalescing (torch's _coalescing_manager with a device) ----------------------
     def _start_coalescing(self, device=None) -> None:
