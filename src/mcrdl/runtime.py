@@ -406,6 +406,15 @@ class Runtime:
         self.groups.append(group)
         return group
 
+    def destroy_group(self, group: Group) -> None:
+        """Release ``group``'s handles (idempotent; the world lives until shutdown)."""
+        for bname, handle in group.handles.items():
+            if bname in self.backends:
+                self.backends[bname].destroy_group(handle)
+        group.handles.clear()
+        if group in self.groups:
+            self.groups.remove(group)
+
     def _on_failure(self, work) -> str:
         """A work timed out or its library failed; returns what the health
         check says of its peers.
@@ -431,10 +440,8 @@ class Runtime:
             self.health.stop()
             self.health = None
         self.engine.shutdown()
-        for group in reversed(self.groups):
-            for bname, handle in group.handles.items():
-                self.backends[bname].destroy_group(handle)
-            group.handles.clear()
+        for group in reversed(list(self.groups)):
+            self.destroy_group(group)
         for backend in self.backends.values():
             backend.shutdown()
         self.groups.clear()

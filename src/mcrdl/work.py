@@ -574,5 +574,5 @@ class Engine:
             self._abandoned.append((work._pending, work._reads, work._writes, work._result))
         timeout = DEFAULT_TIMEOUT if work.group is None else work.group.timeout
         self._retire(work, CommTimeoutError(
-            f"{work.op} on backend '{work.backend}' did not complete within its "
-            f"{timeout:.3g} s timeout"))
+            f"{work.op} on backend '{work.backend}' did not complete within the group's "
+            f"timeout of {timeout:.3g} s"))

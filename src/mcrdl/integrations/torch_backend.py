@@ -118,7 +118,7 @@ def _create_backend(dist_opts, backend_options=None) -> "ProcessGroupMCRDL":
                 f"mcrdl.init_process_group() on every rank first")
         api.init_process_group(store=dist_opts.store, rank=rank, world_size=size,
                                **({"timeout": timeout} if timeout else {}))
-        return ProcessGroupMCRDL(api._rt().world, rank, size)
+        return ProcessGroupMCRDL(api._rt().world, rank, size, owns_mcrdl=True)
     rt = api._rt()
     if is_world:
         if (rank, size) != (rt.rank, rt.world_size):
@@ -286,12 +286,13 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     ``rank``/``size`` are torch's group rank and size; roots and peers torch
     passes (group ranks) are mapped to mcrdl's global ranks."""
 
-    def __init__(self, group: Group, rank: int, size: int):
+    def __init__(self, group: Group, rank: int, size: int, owns_mcrdl: bool = False):
         super().__init__(rank, size)
         if group.size != size or group.rank != rank:
             raise BackendError(f"mcrdl group {group!r} (rank {group.rank} of {group.size}) does "
                                f"not match torch's group rank {rank} of {size}")
         self._g = group
+        self._owns_mcrdl = owns_mcrdl  # torch's default group started mcrdl: it ends it too
         self._coalescing: Optional[list] = None  # works started inside _start/_end_coalescing
         self._group_name = ""
         self._group_desc = ""
@@ -313,6 +314,16 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
 
     def getGroupDesc(self) -> str:
         return self._group_desc
+
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group``: a sub-group releases its mcrdl group; the
+        default group ends mcrdl if it started it (a later init starts afresh, with
+        the new store and timeout), else leaves the user's mcrdl running."""
+        if self._owns_mcrdl:
+            if api.is_initialized() and api._rt() is self._g.owner:
+                api.destroy_process_group()
+        elif self._g is not self._g.owner.world:
+            self._g.owner.destroy_group(self._g)
 
     @property
     def mcrdl_group(self) -> Group:
