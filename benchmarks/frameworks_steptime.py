@@ -1,0 +1,181 @@
+"""Step time of real frameworks on "mcrdl" vs gloo: `python benchmarks/frameworks_steptime.py`.
+
+Runs each example of examples/frameworks/ under `mcrdl run -n 2` with
+``--backend gloo`` and ``--backend mcrdl``, alternating (the backend that goes
+first flips every round), for ``--rounds`` rounds. Per launch: the median of
+rank 0's step times after ``--warmup`` steps; per example and backend: the
+median of those over the rounds. Also checks that each round's two launches
+gave bitwise identical losses. A failed launch is repeated once and listed
+in the doc (a second failure stops the run). Writes docs/results/frameworks.md (command,
+load, table) and a JSON file beside it. DeepSpeed examples are left out, and
+said so, when deepspeed does not import.
+"""
+import argparse
+import importlib.metadata
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _record import environment, write_json  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = {
+    "deepspeed_moe_top1": ("deepspeed_moe.py", "--k", "1"),
+    "deepspeed_moe_top2": ("deepspeed_moe.py", "--k", "2"),
+    "deepspeed_zero1": ("deepspeed_zero.py", "--stage", "1"),
+    "deepspeed_zero2": ("deepspeed_zero.py", "--stage", "2"),
+    "deepspeed_zero3": ("deepspeed_zero.py", "--stage", "3"),
+    "fsdp2": ("fsdp2.py",),
+    "dtensor_mesh_tp": ("dtensor_mesh.py", "--mode", "tp"),
+    "dtensor_mesh_hsdp": ("dtensor_mesh.py", "--mode", "hsdp"),
+}
+BACKENDS = ("gloo", "mcrdl")
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "DS_ACCELERATOR": "cpu"}
+
+
+def uptime():
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def launch(nprocs, script, args, backend, steps):
+    """One `mcrdl run` job: (rank 0's RESULT or None, the job's wall time, command, output)."""
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--timeout", "600",
+           os.path.join(ROOT, "examples", "frameworks", script), *args, "--backend", backend,
+           "--steps", str(steps)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    lines = [l[len("RESULT "):] for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    ok = proc.returncode == 0 and len(lines) == 1
+    return json.loads(lines[0]) if ok else None, wall, shlex.join(cmd), proc.stdout + proc.stderr
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("-n", "--nprocs", type=int, default=2)
+    p.add_argument("--only", help="comma-separated example names (default: all)")
+    p.add_argument("--out", default="docs/results/frameworks.md")
+    p.add_argument("--json", default="docs/results/frameworks.json")
+    args = p.parse_args()
+    if args.rounds < 1 or not 0 <= args.warmup < args.steps:
+        p.error("need --rounds >= 1 and 0 <= --warmup < --steps")
+    console = Console(width=max(Console().width, 140))
+    names = args.only.split(",") if args.only else list(EXAMPLES)
+    unknown = set(names) - set(EXAMPLES)
+    if unknown:
+        p.error(f"unknown examples {sorted(unknown)} (known: {', '.join(EXAMPLES)})")
+    ds = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, env=ENV)
+    skipped = [n for n in names if n.startswith("deepspeed")] if ds.returncode else []
+    names = [n for n in names if n not in skipped]
+
+    load_before = uptime()
+    runs = {n: {b: [] for b in BACKENDS} for n in names}
+    identical = {n: [] for n in names}
+    failures = []
+    with Progress(console=console) as progress:
+        task = progress.add_task("launches", total=args.rounds * len(names) * len(BACKENDS))
+        for rnd in range(args.rounds):
+            for name in names:
+                losses = {}
+                for backend in BACKENDS if rnd % 2 == 0 else BACKENDS[::-1]:
+                    progress.update(task, description=f"round {rnd + 1}: {name} on {backend}")
+                    for attempt in (1, 2):  # one retry: record the failure, stop on a second
+                        result, wall, cmd, out = launch(args.nprocs, EXAMPLES[name][0],
+                                                        EXAMPLES[name][1:], backend, args.steps)
+                        if result is not None:
+                            break
+                        failures.append({"round": rnd + 1, "example": name, "backend": backend,
+                                         "command": cmd, "output_tail": out[-3000:]})
+                        console.print(f"launch failed ({cmd}):\n{out[-3000:]}", highlight=False)
+                        if attempt == 2:
+                            sys.exit("failed twice in a row; stopping")
+                    losses[backend] = result["losses"]
+                    runs[name][backend].append(
+                        {"median_step_s": statistics.median(result["step_times"][args.warmup:]),
+                         "job_wall_s": wall, "step_times": result["step_times"]})
+                    progress.advance(task)
+                identical[name].append(losses["gloo"] == losses["mcrdl"])
+    load_after = uptime()
+
+    headers = ["example", "gloo ms/step", "mcrdl ms/step", "mcrdl/gloo", "per-round mcrdl/gloo",
+               "job s gloo", "job s mcrdl", "losses identical"]
+    table = Table(title=f"median step time, {args.nprocs} ranks, {args.rounds} rounds")
+    for h in headers:
+        table.add_column(h, justify="left" if h == "example" else "right")
+    rows = []
+    for name in names:
+        med = {b: statistics.median(r["median_step_s"] for r in runs[name][b]) for b in BACKENDS}
+        wall = {b: statistics.median(r["job_wall_s"] for r in runs[name][b]) for b in BACKENDS}
+        per_round = [m["median_step_s"] / g["median_step_s"]
+                     for g, m in zip(runs[name]["gloo"], runs[name]["mcrdl"])]
+        row = [name, f"{1e3 * med['gloo']:.1f}", f"{1e3 * med['mcrdl']:.1f}",
+               f"{med['mcrdl'] / med['gloo']:.2f}x", " ".join(f"{x:.2f}" for x in per_round),
+               f"{wall['gloo']:.1f}", f"{wall['mcrdl']:.1f}",
+               f"{sum(identical[name])}/{len(identical[name])}"]
+        rows.append(row)
+        table.add_row(*row)
+    console.print(table)
+
+    command = shlex.join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT)
+                          else sys.executable, *sys.argv])
+    try:
+        doc = environment(deepspeed=importlib.metadata.version("deepspeed"))
+    except importlib.metadata.PackageNotFoundError:
+        doc = environment()
+    md = [
+        "# Real frameworks on \"mcrdl\" vs gloo: step time",
+        "",
+        "Each example in `examples/frameworks/` (unchanged but for `--backend`) under "
+        f"`mcrdl run -n {args.nprocs}`, once per backend per round, alternating which goes first, "
+        f"{args.rounds} rounds. Per launch the median of rank 0's step times (forward, backward, "
+        f"optimizer step) after {args.warmup} warm-up steps of {args.steps}; the table gives the "
+        "median over the rounds, each round's ratio, the median wall time of a whole job "
+        "(launch, imports, init, steps, exit) and in how many rounds the two backends' losses "
+        "were bitwise identical.",
+        "",
+        "## Command",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"{doc['date']}, {doc['cpus']} CPUs, torch {doc['versions']['torch']}, "
+        f"mcrdl {doc['versions']['mcrdl']}, Python {doc['versions']['python']}"
+        + (f", deepspeed {doc['versions']['deepspeed']}." if "deepspeed" in doc["versions"] else "."),
+        "",
+        f"- `uptime` before: `{load_before}`",
+        f"- `uptime` after: `{load_after}`",
+    ]
+    if skipped:
+        md += [f"- left out (deepspeed does not import): {', '.join(skipped)}"]
+    for f in failures:
+        md += [f"- launch failed and was repeated: round {f['round']}, {f['example']} on "
+               f"{f['backend']}; last line: `{f['output_tail'].strip().splitlines()[-1]}` "
+               f"(full tail in the JSON)"]
+    md += ["", "## Result", "", "| " + " | ".join(headers) + " |",
+           "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
+    md += ["| " + " | ".join(row) + " |" for row in rows]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(md) + "\n")
+    console.print(f"wrote {args.out}", highlight=False)
+    write_json(args.json, {"environment": doc, "command": command, "uptime_before": load_before,
+                           "uptime_after": load_after, "skipped": skipped, "failures": failures,
+                           "settings": vars(args), "runs": runs, "losses_identical": identical},
+               console)
+
+
+if __name__ == "__main__":
+    main()
