@@ -3,7 +3,8 @@ import pytest
 
 from conftest import run_job
 
-CASES = ["staging", "aliased", "future", "callbacks", "polling", "parameters", "barrier", "destroy"]
+CASES = ["staging", "aliased", "future", "callbacks", "polling", "parameters", "barrier", "destroy",
+         "multidim_blocks"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -177,9 +177,26 @@ def callback_at_exit():
         time.sleep(0.01)
 
 
+def multidim_blocks():
+    """scatter/gather of multi-dim tensors from/into back-to-back views of one buffer
+    (DTensor's distribute_tensor): gloo got flat blocks and refused them."""
+    for backend in mcrdl.live_backends():
+        big = torch.arange(2 * world, dtype=torch.float32).repeat_interleave(3).view(2 * world, 3)
+        out = torch.zeros(2, 3)
+        mcrdl.scatter(out, list(big.chunk(world)) if rank == 0 else None, 0, backend=backend)
+        check(torch.equal(out, big[2 * rank:2 * rank + 2]), "scatter of 2-D blocks on", backend, out)
+        into = torch.zeros(3 * world, 2)
+        mcrdl.gather(torch.full((3, 2), float(rank)), list(into.chunk(world)) if rank == 0 else None,
+                     0, backend=backend)
+        if rank == 0:
+            check(torch.equal(into, torch.arange(world, dtype=torch.float32).repeat_interleave(6)
+                              .view(3 * world, 2)), "gather into 2-D blocks on", backend, into)
+
+
 {"staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
- "destroy": destroy_pending, "callback_at_exit": callback_at_exit}[case]()
+ "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
+ "multidim_blocks": multidim_blocks}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()

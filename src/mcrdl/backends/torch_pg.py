@@ -142,13 +142,14 @@ class TorchBackend(Backend):
     def gather(self, pg, output, input, root):
         opts = dist.GatherOptions()
         opts.rootRank = root
-        outputs = [list(output.chunk(pg.size()))] if output is not None else []
+        # gloo wants every block shaped like the input (a multi-dim tensor gets flat blocks)
+        outputs = [[b.view(input.shape) for b in output.chunk(pg.size())]] if output is not None else []
         return TorchPending(pg.gather(outputs, [input], opts))
 
     def scatter(self, pg, output, input, root):
         opts = dist.ScatterOptions()
         opts.rootRank = root
-        inputs = [list(input.chunk(pg.size()))] if input is not None else []
+        inputs = [[b.view(output.shape) for b in input.chunk(pg.size())]] if input is not None else []
         return TorchPending(pg.scatter([output], inputs, opts))
 
     def all_to_all_single(self, pg, output, input, output_counts, input_counts):
