@@ -217,6 +217,17 @@ same(fc.all_gather_tensor(value(rank, 4, torch.float32), 0, g),
 same(fc.reduce_scatter_tensor(value(rank, 2 * world, torch.float32), "sum", 0, g),
      reduced(ranks, 2 * world, torch.float32, "sum")[2 * rank:2 * rank + 2], "functional reduce_scatter")
 
+# -- receive from any source: torch's recv(src=None) returns the sender's rank -----------------
+if rank == 0:
+    got = {}
+    for _ in range(world - 1):
+        buf = torch.empty(1)
+        src = dist.recv(buf)
+        got[src] = buf.item()
+    check(got == {r: float(r) for r in range(1, world)}, "recv from any source", got)
+else:
+    dist.send(torch.full((1,), float(rank)), 0)
+
 # -- refused with a clear error, on every rank before any traffic ------------------------------
 
 
@@ -233,7 +244,6 @@ def refused(fn, *needles):
 refused(lambda: dist.all_reduce(torch.ones(2), op=R.BXOR), "BXOR", "allreduce")
 refused(lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.BAND), "BAND")
 refused(lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.AVG), "AVG")
-refused(lambda: dist.recv(torch.empty(1)), "any source")
 dist.barrier()
 print(f"rank {rank}: TORCH BACKEND OPS OK ({count} checks, backend {backend})")
 dist.destroy_process_group()
