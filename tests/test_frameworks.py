@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).parents[1] / "examples" / "frameworks"
+# a test runs two jobs (each bounded by mcrdl run's --timeout); the first DeepSpeed one
+# also builds DeepSpeed's shm op in its fixture
+pytestmark = pytest.mark.timeout(1800)
 ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "DS_ACCELERATOR": "cpu"}
 
 
