@@ -1,8 +1,10 @@
 """Launcher command lines and the CLI (run, info, explain) for real."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,49 @@ def test_run_propagates_failure_and_kills_on_timeout(tmp_path):
     slow.write_text("import time; time.sleep(60)\n")
     proc = mcrdl_cli("run", "-n", "2", "--timeout", "2", str(slow))
     assert proc.returncode == 124 and "killed after" in proc.stderr
+
+
+def _running(pid: int) -> bool:
+    """Is ``pid`` a live process (a zombie is not)?"""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.parametrize("signum,mode,backend,how", [
+    (signal.SIGINT, "default", "mpi", "mpiexec"),
+    (signal.SIGTERM, "default", "gloo", "mpiexec"),
+    (signal.SIGINT, "ignore", "gloo", "mpiexec"),
+    (signal.SIGTERM, "ignore", "mpi", "mpiexec"),
+    (signal.SIGTERM, "default", "gloo", "torchrun"),
+], ids=["SIGINT-mpi", "SIGTERM-gloo", "SIGINT-ignored", "SIGTERM-ignored", "SIGTERM-torchrun"])
+def test_stopping_mcrdl_run_ends_every_rank(tmp_path, signum, mode, backend, how):
+    """Ctrl-C/SIGTERM to `mcrdl run` while rank 0 waits in a barrier and rank 1 sleeps:
+    the job ends within the grace period (ranks that ignore the signal are killed),
+    no rank survives, and the exit code is 128 + the signal."""
+    grace = 3
+    proc = subprocess.Popen([sys.executable, "-m", "mcrdl.cli", "run", "--launcher", how, "-n", "2",
+                             "--stop-grace", str(grace), str(ROOT / "tests" / "jobs" / "stop_job.py"),
+                             str(tmp_path), backend, mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    pidfiles = [tmp_path / f"rank{r}.pid" for r in (0, 1)]
+    deadline = time.monotonic() + 120
+    while not all(f.exists() and f.read_text() for f in pidfiles):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.1)
+    pids = [int(f.read_text()) for f in pidfiles]
+    time.sleep(1.5)  # rank 0 is in its barrier now
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=grace + 30)
+    took = time.monotonic() - sent
+    assert proc.returncode == 128 + signum, (out, err[-3000:])
+    assert f"stopped by {signal.Signals(signum).name}" in err
+    assert took < grace + 5, f"the job took {took:.1f} s to end"
+    assert not [p for p in pids if _running(p)], "a rank outlived mcrdl run"
 
 
 def test_torchrun_launch_without_mpi():

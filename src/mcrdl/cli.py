@@ -7,7 +7,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from .launcher import BINDINGS
+from .launcher import BINDINGS, STOP_GRACE_S
 from .tuning import MAX_INT, shown
 
 
@@ -22,7 +22,7 @@ def _cmd_run(args) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    return launcher.run(cmd, args.timeout)
+    return launcher.run(cmd, args.timeout, args.stop_grace)
 
 
 def _cmd_info(args) -> int:
@@ -328,6 +328,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--extra", help="extra launcher options, quoted")
     r.add_argument("--bind", **BIND_OPTION)
     r.add_argument("--timeout", type=float, help="kill the job after this many seconds")
+    r.add_argument("--stop-grace", type=float, default=STOP_GRACE_S, metavar="S",
+                   help="after Ctrl-C/SIGTERM, kill ranks still running S seconds later "
+                        f"(default {STOP_GRACE_S:g})")
     r.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     r.add_argument("program", nargs=argparse.REMAINDER, help="script.py args... | -m module | program")
     r.set_defaults(func=_cmd_run)

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Optional, Sequence
 
 LAUNCHERS = ("mpiexec", "srun", "torchrun")
@@ -123,19 +124,58 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
     raise ValueError(f"unknown launcher {launcher!r} (expected one of {', '.join(LAUNCHERS)})")
 
 
-def run(cmd: Sequence[str], timeout: Optional[float] = None) -> int:
-    """Run a launch command, forwarding Ctrl-C/SIGTERM; returns its exit code
-    (124 when ``timeout`` seconds passed and the job was killed)."""
-    proc = subprocess.Popen(list(cmd), start_new_session=True)
-    forward = lambda signum, _frame: proc.send_signal(signum)
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+#: Seconds a job has to end after Ctrl-C/SIGTERM reached it before it is killed.
+STOP_GRACE_S = 5.0
+
+
+def _kill_session(pid: int) -> None:
+    """SIGKILL every process still in the launch's session (ranks, proxies)."""
     try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        print(f"mcrdl run: job killed after {timeout} s", file=sys.stderr)
-        return 124
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP_GRACE_S) -> int:
+    """Run a launch command in a session of its own; returns its exit code.
+
+    Ctrl-C/SIGTERM is forwarded to the launcher, which passes it to the ranks;
+    whatever is still running ``grace`` s later (or at a second signal) is
+    killed, and the exit code is 128 + the signal's number. After ``timeout``
+    s the job is killed and 124 returned. No process of the session outlives
+    this call."""
+    proc = subprocess.Popen(list(cmd), start_new_session=True)
+    received: list[tuple[int, float]] = []  # (signal, when)
+
+    def forward(signum, _frame):
+        if received:  # a second Ctrl-C: do not wait any longer
+            _kill_session(proc.pid)
+        received.append((signum, time.monotonic()))
+        proc.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    start = time.monotonic()
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received and time.monotonic() - received[0][1] > grace:
+                _kill_session(proc.pid)
+            elif not received and timeout is not None and time.monotonic() - start > timeout:
+                _kill_session(proc.pid)
+                proc.wait()
+                print(f"mcrdl run: job killed after {timeout} s", file=sys.stderr)
+                return 124
     finally:
+        _kill_session(proc.pid)  # ranks or proxies the launcher left behind
         for s, h in old.items():
             signal.signal(s, h)
+    if received:
+        signum = received[0][0]
+        print(f"mcrdl run: stopped by {signal.Signals(signum).name} (the launcher exited with "
+              f"{code})", file=sys.stderr)
+        return 128 + signum
+    return code
