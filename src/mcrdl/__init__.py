@@ -16,7 +16,7 @@ from .features.fusion import (all_gather_coalesced, all_reduce_coalesced, broadc
 from .features.logger import comms_records, comms_summary, export_comms, print_comms_summary
 from .runtime import Group
 from .tuning import TuningTable, TuningTableError
-from .types import CommError, CommTimeoutError, P2POp, ReduceOp, UnsupportedError
+from .types import CommError, CommTimeoutError, P2POp, PeerDiedError, ReduceOp, UnsupportedError
 from .work import Work
 
 __version__ = "0.1.0"

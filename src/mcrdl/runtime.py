@@ -17,7 +17,8 @@ from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
 from .types import CommTimeoutError
-from .work import Engine, _seconds
+from .watchdog import Watchdog, watchdog_enabled
+from .work import DEATH_GRACE_S, Engine, _seconds
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -252,6 +253,12 @@ class Runtime:
                                               os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True") else None
             self.health = Health(self.store, self.rank, beat, serving)
         self._abort_at_exit = False
+        self.watchdog = None
+        if self.store is not None and self.world_size > 1 and watchdog_enabled():
+            single_host = self.local_size == self.world_size
+            self.watchdog = Watchdog(self.store, self.rank, self.world_size,
+                                     lambda: _listen(_store_address(single_host)),
+                                     self._peer_died, timeout)
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store)
         for name in requested:
@@ -415,6 +422,18 @@ class Runtime:
         if group in self.groups:
             self.groups.remove(group)
 
+    def _peer_died(self, rank: int) -> None:
+        """The watchdog saw ``rank``'s process end (called on its thread)."""
+        how = f"rank {rank} died (its process ended)"
+        self.engine.note_death(rank, how)
+        if self.mpi_comm is not None:  # MPICH ends the job soon: say who first
+            print(f"mcrdl: rank {self.rank}: {how}", file=sys.stderr, flush=True)
+            if not self._abort_at_exit:  # MPI_Finalize would wait for the dead rank forever
+                self._abort_at_exit = True
+                atexit.register(_abort_mpi_job, self.mpi_comm)
+        time.sleep(DEATH_GRACE_S)
+        self.engine.fail_for_death(rank)
+
     def _on_failure(self, work) -> str:
         """A work timed out or its library failed; returns what the health
         check says of its peers.
@@ -429,6 +448,9 @@ class Runtime:
             self._abort_at_exit = True
             atexit.register(_abort_mpi_job, self.mpi_comm)  # runs before mpi4py's MPI_Finalize
         group = work.group
+        dead = [how for r, (how, _) in self.engine.lost.items() if group is None or r in group.ranks]
+        if dead:  # the watchdog already knows: no need to look at heartbeats
+            return "; ".join(dead)
         if group is None or self.health is None:
             return ""
         return self.health.describe(group.ranks, group.name, self.debug, settle=not timed_out)
@@ -436,6 +458,9 @@ class Runtime:
     def shutdown(self) -> None:
         """Release every group handle, backend and the store now (a torch process
         group still alive when the interpreter exits can abort the process)."""
+        if self.watchdog is not None:  # first: peers must not take what follows for a death
+            self.watchdog.stop()
+            self.watchdog = None
         if self.health is not None:
             self.health.stop()
             self.health = None

@@ -40,6 +40,10 @@ class CommTimeoutError(CommError, TimeoutError):
     """A communication operation did not complete before its deadline."""
 
 
+class PeerDiedError(CommError):
+    """A member of the op's group died (the watchdog saw its process end)."""
+
+
 class UnsupportedError(CommError, TypeError):
     """A backend cannot run this op/dtype/device combination correctly."""
 

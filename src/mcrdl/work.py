@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from .types import CommError, CommTimeoutError
+from .types import CommError, CommTimeoutError, PeerDiedError
 
 
 class Pending:
@@ -32,6 +32,8 @@ class Pending:
     """
 
     progress_domain: Optional[str] = None
+    #: A ``block`` that reached its deadline leaves the request to be waited for again.
+    resumable_block = True
     __slots__ = ()  # subclasses on the hot path declare theirs: no per-request __dict__
 
     def test(self) -> bool:
@@ -106,6 +108,11 @@ _LEAKED: list = []
 
 #: How long destroying the process group waits for futures' helper threads.
 HELPER_JOIN_S = 10.0
+#: Longest a wait blocks inside one library before it looks whether the
+#: watchdog found a member of the op's group dead.
+WATCH_S = 0.1
+#: How long work outstanding when a peer died may still complete before it fails.
+DEATH_GRACE_S = 0.3
 
 
 def spin_until(test: Callable[[], bool], deadline: float) -> bool:
@@ -338,6 +345,7 @@ class Engine:
         #: of the work's peers, added to the error.
         self.on_failure: Optional[Callable[[Work], str]] = None
         self._helpers: set[threading.Thread] = set()  # futures' helper threads still running
+        self.lost: dict[int, tuple] = {}  # global rank -> (how it died, when): the watchdog's
 
     def start_helper(self, target: Callable, *args) -> None:
         """Run ``target(*args)`` on a daemon thread that :meth:`shutdown` joins."""
@@ -398,6 +406,58 @@ class Engine:
                           "the process group was destroyed; the process may abort at exit",
                           RuntimeWarning, stacklevel=2)
 
+    # -- dead peers ----------------------------------------------------------------
+    def note_death(self, rank: int, how: str) -> None:
+        """The watchdog saw global rank ``rank`` die: new work on its groups fails
+        at once; outstanding work still running :data:`DEATH_GRACE_S` later fails
+        then (:meth:`fail_for_death`; a rank that exits without leaving cleanly
+        may have done its part of an op its peers are still completing)."""
+        self.lost = {**self.lost, rank: (how, time.monotonic())}  # replaced, never mutated
+
+    def fail_for_death(self, rank: int) -> int:
+        """Fail the outstanding work of every group ``rank`` belongs to; how many."""
+        finished = []
+        with self._lock:
+            for work in self.outstanding:
+                if not work._done and (work.group is None or rank in work.group.ranks):
+                    work._pending.cancel()
+                    self._abandoned.append((work._pending, work._reads, work._writes, work._result))
+                    work._finish(self._died_error(work.op, work.backend, work.group))
+                    finished.append(work)
+            self.outstanding = [w for w in self.outstanding if not w._done]
+        for work in finished:
+            work._settle_future()
+        return len(finished)
+
+    def _died_error(self, op: str, backend: str, group,
+                    before: float = float("inf")) -> Optional[PeerDiedError]:
+        """The error of an op on ``group`` if a member died (before ``before``)."""
+        dead = [how for r, (how, when) in self.lost.items()
+                if when <= before and (group is None or r in group.ranks)]
+        if not dead:
+            return None
+        return PeerDiedError(f"{op} on backend '{backend}' failed: " + "; ".join(dead))
+
+    def _block_watched(self, pending: Pending, deadline: float, op: str, backend: str,
+                       group) -> bool:
+        """``pending.block(deadline)``; inside a self-progressing library (gloo,
+        nccl) in slices of :data:`WATCH_S` (a completed op returns within the
+        first), raising :class:`PeerDiedError` between slices. Not sliced: MPI
+        (MPICH ends the job when a rank dies) and requests a timed-out wait
+        would fail (gloo send/recv, whose peer's death the library sees itself)."""
+        if pending.progress_domain is not None or not pending.resumable_block:
+            return pending.block(deadline)
+        while True:
+            step = min(deadline, time.monotonic() + WATCH_S)
+            if pending.block(step):
+                return True
+            if step >= deadline:
+                return False
+            if self.lost:
+                error = self._died_error(op, backend, group, time.monotonic() - DEATH_GRACE_S)
+                if error is not None:
+                    raise error
+
     # -- submission -------------------------------------------------------------
     def order_before(self, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor],
                      op: str) -> None:
@@ -429,6 +489,8 @@ class Engine:
         A blocking op that may block in its own library (nothing outstanding
         that needs another library's progress) is waited for without creating
         a Work or taking a lock: nobody else can see its request."""
+        if self.lost:
+            self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
             self.block(op, backend, pending, group, reads, writes, post, result)
             return None
@@ -446,11 +508,16 @@ class Engine:
         """Wait for a blocking op inside its own library (the caller checked
         that nothing outstanding needs another library's progress), then run
         ``post``. ``reads``/``writes``: what it touches, kept alive if it is abandoned."""
+        if self.lost:
+            self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         try:
-            if pending.block(time.monotonic() + group.timeout):
+            if self._block_watched(pending, time.monotonic() + group.timeout, op, backend, group):
                 if post:
                     run_post(post)
                 return
+        except PeerDiedError:
+            self._abandoned.append((pending, reads, writes, result))
+            raise
         except Exception as exc:
             work = Work(self, op, backend, pending, reads, writes, post, group, result)
             work._finish(exc)
@@ -458,6 +525,16 @@ class Engine:
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
         self._abandon(work)
         raise self.explain(work)
+
+    def _refuse_if_died(self, op, backend, pending, group, reads, writes, result) -> None:
+        """Raise :class:`PeerDiedError` for a just-started op on a group with a
+        dead member; its request is withdrawn and its buffers kept alive."""
+        error = self._died_error(op, backend, group)
+        if error is not None:
+            pending.cancel()
+            with self._lock:
+                self._abandoned.append((pending, reads, writes, result))
+            raise error
 
     # -- progress ---------------------------------------------------------------
     def poll(self) -> None:
@@ -538,7 +615,7 @@ class Engine:
         try:
             if abandon and self._blocking_is_safe(pending):
                 if pending.progress_domain is None:  # self-progressing library
-                    done = pending.block(deadline)
+                    done = self._block_watched(pending, deadline, work.op, work.backend, work.group)
                     if done:
                         self._retire(work)
                 else:

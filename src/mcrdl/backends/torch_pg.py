@@ -62,6 +62,11 @@ class TorchPending(Pending):
             return True
         return False
 
+    @property
+    def resumable_block(self) -> bool:
+        """gloo fails a send/recv whose wait(timeout) expired; a helper's wait() does not."""
+        return not self.lies or self._waiter is not None
+
     def block(self, deadline: float) -> bool:
         remaining = deadline - time.monotonic()
         if self._waiter is not None:
