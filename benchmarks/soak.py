@@ -1,0 +1,148 @@
+"""Soak: many short mixed MPI + gloo jobs, every way a job ends, counting exit codes.
+
+    python benchmarks/soak.py --jobs 500 [--ranks 2 4] [--load 1] [--out docs/results/soak]
+
+Each job (benchmarks/soak_job.py under `mcrdl run`) does mixed async work on
+MPI and gloo, then ends one of four ways: destroy_process_group, the exit
+handler, an exception on every rank, or SIGTERM to `mcrdl run`; with all async
+work completed or some still outstanding. Jobs cycle through ranks x endings x
+outstanding. A job is clean when its exit code is the one its ending calls for
+(0, 0, 1, 143), no rank aborted ("terminate called", SIGABRT, core dump) and no
+rank process is left afterwards. ``--load N`` keeps N busy-looping processes
+running meanwhile (a loaded machine). Writes OUT.json and OUT.md.
+"""
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _record import environment, write_json  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "benchmarks", "soak_job.py")
+ENDINGS = {"destroy": 0, "atexit": 0, "exception": 1, "sigterm": 128 + signal.SIGTERM}
+ABORT = re.compile(r"terminate called|core dumped|signal 6|SIGABRT|Aborted")
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+def _rank_pids(marker: str) -> list[int]:
+    """Processes still running soak_job.py for this job (matched by its mark directory)."""
+    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if int(p) != os.getpid()]
+
+
+def run_job(nprocs: int, ending: str, outstanding: bool, timeout: float) -> dict:
+    """One job; its outcome."""
+    with tempfile.TemporaryDirectory(prefix="mcrdl-soak-") as marks:
+        cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--timeout", str(timeout),
+               JOB, ending, "1" if outstanding else "0", marks]
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=ROOT)
+        if ending == "sigterm":
+            while (len([f for f in os.listdir(marks) if f.startswith("ready")]) < nprocs
+                   and proc.poll() is None and time.monotonic() - start < timeout):
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=timeout + 30)
+        seconds = time.monotonic() - start
+        left = _rank_pids(marks)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    abort = ABORT.search(out)
+    code = proc.returncode
+    clean = code == ENDINGS[ending] and not abort and not left
+    return {"ranks": nprocs, "ending": ending, "outstanding": outstanding, "exit_code": code,
+            "seconds": round(seconds, 2), "abort": abort.group(0) if abort else None,
+            "left_running": len(left), "clean": clean, "tail": None if clean else out[-2000:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=500)
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--load", type=int, default=1, help="busy-looping processes meanwhile")
+    ap.add_argument("--timeout", type=float, default=120, help="per job (s)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "soak"))
+    args = ap.parse_args()
+    console = Console()
+    cases = itertools.cycle(itertools.product(args.ranks, ENDINGS, (False, True)))
+    hogs = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.load)]
+    for h in hogs:
+        h.start()
+    results = []
+    uptime_before = open("/proc/loadavg").read().split()[:3]
+    try:
+        with Progress(console=console) as progress:
+            task = progress.add_task("soak", total=args.jobs)
+            for _ in range(args.jobs):
+                nprocs, ending, outstanding = next(cases)
+                r = run_job(nprocs, ending, outstanding, args.timeout)
+                results.append(r)
+                if not r["clean"]:
+                    progress.console.print(f"[red]not clean[/red]: {nprocs} ranks, {ending}, outstanding="
+                                           f"{outstanding}: exit {r['exit_code']}, abort {r['abort']}, "
+                                           f"{r['left_running']} left running")
+                progress.advance(task)
+    finally:
+        for h in hogs:
+            h.terminate()
+    table = Table(title=f"soak: {len(results)} jobs, {args.load} busy process(es)")
+    for col in ("ranks", "ending", "outstanding", "jobs", "clean", "exit codes", "aborts",
+                "left running", "median s"):
+        table.add_column(col)
+    rows = []
+    for key, group in itertools.groupby(sorted(results, key=lambda r: (r["ranks"], r["ending"], r["outstanding"])),
+                                        key=lambda r: (r["ranks"], r["ending"], r["outstanding"])):
+        group = list(group)
+        secs = sorted(r["seconds"] for r in group)
+        row = [str(key[0]), key[1], str(key[2]), str(len(group)), str(sum(r["clean"] for r in group)),
+               " ".join(f"{c}x{n}" for c, n in sorted(Counter(r["exit_code"] for r in group).items())),
+               str(sum(bool(r["abort"]) for r in group)), str(sum(r["left_running"] for r in group)),
+               f"{secs[len(secs) // 2]:.1f}"]
+        rows.append(row)
+        table.add_row(*row)
+    console.print(table)
+    clean = sum(r["clean"] for r in results)
+    console.print(f"{clean}/{len(results)} clean")
+    command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    doc = {"command": command, "environment": environment(), "loadavg_before": uptime_before,
+           "clean": clean, "jobs": len(results), "results": results}
+    write_json(args.out + ".json", doc, console)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# Soak: {len(results)} short mixed MPI + gloo jobs\n\n```bash\n{command}\n```\n\n"
+                f"{doc['environment']['date']}, {os.cpu_count()} CPUs, {args.load} busy-looping "
+                f"process(es) meanwhile; load average before {' '.join(uptime_before)}, at the end "
+                f"{' '.join(f'{x:.2f}' for x in doc['environment']['loadavg_at_end'])}.\n\n"
+                f"**{clean}/{len(results)} clean** (exit code as the ending calls for: destroy 0, "
+                f"atexit 0, exception 1, sigterm 143; no abort; no rank left running).\n\n"
+                "| " + " | ".join(c.header for c in table.columns) + " |\n"
+                "|" + "---|" * len(table.columns) + "\n"
+                + "".join("| " + " | ".join(r) + " |\n" for r in rows))
+        for r in results:
+            if not r["clean"]:
+                f.write(f"\n## Not clean: {r['ranks']} ranks, {r['ending']}, outstanding={r['outstanding']}"
+                        f" (exit {r['exit_code']})\n\n```\n{r['tail']}\n```\n")
+    console.print(f"wrote {args.out}.md")
+    sys.exit(0 if clean == len(results) else 1)
+
+
+if __name__ == "__main__":
+    main()
