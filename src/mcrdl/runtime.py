@@ -448,7 +448,7 @@ class Runtime:
             self._abort_at_exit = True
             atexit.register(_abort_mpi_job, self.mpi_comm)  # runs before mpi4py's MPI_Finalize
         group = work.group
-        dead = [how for r, (how, _) in self.engine.lost.items() if group is None or r in group.ranks]
+        dead = self.engine.deaths(group)
         if dead:  # the watchdog already knows: no need to look at heartbeats
             return "; ".join(dead)
         if group is None or self.health is None:

@@ -414,26 +414,22 @@ class Engine:
         may have done its part of an op its peers are still completing)."""
         self.lost = {**self.lost, rank: (how, time.monotonic())}  # replaced, never mutated
 
-    def fail_for_death(self, rank: int) -> int:
-        """Fail the outstanding work of every group ``rank`` belongs to; how many."""
-        finished = []
+    def fail_for_death(self, rank: int) -> None:
+        """Fail the outstanding work of every group ``rank`` belongs to."""
         with self._lock:
-            for work in self.outstanding:
-                if not work._done and (work.group is None or rank in work.group.ranks):
-                    work._pending.cancel()
-                    self._abandoned.append((work._pending, work._reads, work._writes, work._result))
-                    work._finish(self._died_error(work.op, work.backend, work.group))
-                    finished.append(work)
-            self.outstanding = [w for w in self.outstanding if not w._done]
-        for work in finished:
-            work._settle_future()
-        return len(finished)
+            hit = [w for w in self.outstanding if w.group is None or rank in w.group.ranks]
+        for work in hit:
+            self._withdraw(work, self._died_error(work.op, work.backend, work.group))
+
+    def deaths(self, group, before: float = float("inf")) -> list[str]:
+        """How the members of ``group`` the watchdog found dead (before ``before``) died."""
+        return [how for r, (how, when) in self.lost.items()
+                if when <= before and (group is None or r in group.ranks)]
 
     def _died_error(self, op: str, backend: str, group,
                     before: float = float("inf")) -> Optional[PeerDiedError]:
         """The error of an op on ``group`` if a member died (before ``before``)."""
-        dead = [how for r, (how, when) in self.lost.items()
-                if when <= before and (group is None or r in group.ranks)]
+        dead = self.deaths(group, before)
         if not dead:
             return None
         return PeerDiedError(f"{op} on backend '{backend}' failed: " + "; ".join(dead))
@@ -489,11 +485,11 @@ class Engine:
         A blocking op that may block in its own library (nothing outstanding
         that needs another library's progress) is waited for without creating
         a Work or taking a lock: nobody else can see its request."""
-        if self.lost:
-            self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
             self.block(op, backend, pending, group, reads, writes, post, result)
             return None
+        if self.lost:
+            self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
         with self._lock:
             self.outstanding.append(work)
@@ -516,7 +512,7 @@ class Engine:
                     run_post(post)
                 return
         except PeerDiedError:
-            self._abandoned.append((pending, reads, writes, result))
+            self._drop(pending, (reads, writes, result))
             raise
         except Exception as exc:
             work = Work(self, op, backend, pending, reads, writes, post, group, result)
@@ -531,10 +527,15 @@ class Engine:
         dead member; its request is withdrawn and its buffers kept alive."""
         error = self._died_error(op, backend, group)
         if error is not None:
-            pending.cancel()
-            with self._lock:
-                self._abandoned.append((pending, reads, writes, result))
+            self._drop(pending, (reads, writes, result))
             raise error
+
+    def _drop(self, pending: Pending, buffers: tuple) -> None:
+        """Withdraw a request nobody will wait for, where the library allows;
+        it is polled until gone, its ``buffers`` kept alive meanwhile."""
+        pending.cancel()
+        with self._lock:
+            self._abandoned.append((pending, *buffers))
 
     # -- progress ---------------------------------------------------------------
     def poll(self) -> None:
@@ -641,15 +642,16 @@ class Engine:
         work._settle_future()
 
     def _abandon(self, work: Work) -> None:
-        """Fail a work that missed its group deadline. Its request is withdrawn
-        where the library allows (MPI point-to-point) and polled until it is
-        gone, keeping its buffers alive meanwhile."""
+        """Fail a work that missed its group deadline."""
+        timeout = DEFAULT_TIMEOUT if work.group is None else work.group.timeout
+        self._withdraw(work, CommTimeoutError(
+            f"{work.op} on backend '{work.backend}' did not complete within the group's "
+            f"timeout of {timeout:.3g} s"))
+
+    def _withdraw(self, work: Work, error: BaseException) -> None:
+        """Fail ``work`` for good with ``error``; its request is dropped (:meth:`_drop`)."""
         with self._lock:
             if work._done:
                 return
-            work._pending.cancel()
-            self._abandoned.append((work._pending, work._reads, work._writes, work._result))
-        timeout = DEFAULT_TIMEOUT if work.group is None else work.group.timeout
-        self._retire(work, CommTimeoutError(
-            f"{work.op} on backend '{work.backend}' did not complete within the group's "
-            f"timeout of {timeout:.3g} s"))
+            self._drop(work._pending, (work._reads, work._writes, work._result))
+        self._retire(work, error)
