@@ -11,6 +11,7 @@ $(STAMP): pyproject.toml requirements-pinned.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-pinned.txt
 	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/mcrdl info  # builds the compiled MPI hot path once (see docs/performance.md)
 	touch $(STAMP)
 
 demo: $(STAMP)

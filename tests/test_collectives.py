@@ -12,6 +12,15 @@ from conftest import run_job
 def test_all_ops_all_backends(nprocs):
     out = run_job(nprocs, "ops_job.py", timeout=600)
     assert out.count(": OK ") == nprocs, out[-3000:]
+    # the mpich wheel brings mpicc: the compiled hot path must be what ran
+    assert out.count("MPI hot path compiled") == nprocs, out[-3000:]
+
+
+def test_all_ops_on_the_pure_python_hot_path():
+    """The fallback when no MPI compiler is present gives the same results."""
+    out = run_job(2, "ops_job.py", "mpi", timeout=600, env={"MCRDL_NATIVE": "0"})
+    assert out.count(": OK ") == 2, out[-3000:]
+    assert out.count("MPI hot path off (MCRDL_NATIVE=0)") == 2, out[-3000:]
 
 
 def test_hello_example():

@@ -7,7 +7,7 @@ from .api import (DTYPES, all_gather, all_gather_into_tensor, all_gather_single,
                   get_local_size, get_rank, get_world_size, init_process_group, irecv,
                   is_initialized, isend, live_backends, monitored_barrier, new_group, recv,
                   reduce, reduce_scatter, reduce_scatter_single, reduce_scatter_tensor, scatter,
-                  send)
+                  send, wait_policy)
 from .backends import register_backend
 from .features.compression import (BF16Compressor, Compressor, FP16Compressor, Int8Compressor,
                                    NoneCompressor, compressed_all_gather, compressed_all_reduce)

@@ -20,7 +20,7 @@ from .backends.base import ANY_SOURCE
 from .runtime import DEFAULT_TIMEOUT, Group, Runtime
 from .tuning import TuningTable
 from .types import CommError, P2POp, ReduceOp, UnsupportedError
-from .work import AfterAll, Done, Work, _overlap, _seconds
+from .work import DONE, AfterAll, Done, Work, _overlap, _seconds
 
 _runtime: Optional[Runtime] = None
 
@@ -140,6 +140,11 @@ def get_backend_versions() -> dict[str, str]:
 
 def get_default_backend() -> str:
     return _rt().default_backend
+
+
+def wait_policy() -> str:
+    """How waits use the CPU here: "spin" or "yield" (``MCRDL_WAIT``, default auto)."""
+    return _rt().wait_policy
 
 
 def get_rank(group: Optional[Group] = None) -> int:
@@ -444,7 +449,12 @@ def _block(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tup
            reads, writes, peer: int = -1, counts=None) -> None:
     """``start(*args)`` a fast-path op (logged as the general path logs it) and wait for it."""
     logger = rt.logger
-    post = () if logger is None else (logger.begin(op, name, g, nbytes, False, peer, counts),)
+    if logger is None:
+        pending = start(*args)
+        if pending is not DONE:  # not finished inside the backend
+            rt.engine.block(op, name, pending, g, reads, writes)
+        return
+    post = (logger.begin(op, name, g, nbytes, False, peer, counts),)
     rt.engine.block(op, name, start(*args), g, reads, writes, post)
 
 
@@ -465,7 +475,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
             plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend))
             if nbytes:
                 if rt.logger is None:
-                    rt.engine.block("all_reduce", plan[0], plan[1](tensor), g, (tensor,))
+                    pending = plan[1](tensor)
+                    if pending is not DONE:
+                        rt.engine.block("all_reduce", plan[0], pending, g, (tensor,))
                 else:
                     _block(rt, g, "all_reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,))
             return None
@@ -475,7 +487,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
 def _all_reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, backend: Optional[str]):
     _check("all_reduce", tensor)
     name = rt.selector.choose("all_reduce", tensor.nbytes, g.size, "cpu", tensor.dtype, ReduceOp.SUM, backend)
-    return name, rt.backends[name].all_reduce_starter(g.handles[name], tensor.dtype, ReduceOp.SUM)
+    return name, rt.backends[name].starter("all_reduce", g.handles[name], g.timeout, (tensor,), ReduceOp.SUM)
 
 
 def _all_reduce(tensor, op, group, async_op, backend) -> Optional[Work]:
@@ -524,13 +536,22 @@ def _broadcast_plan(rt: Runtime, g: Group, tensor: torch.Tensor, src: int, backe
     _check("broadcast", tensor)
     root = _root("broadcast", g, src)
     name = rt.selector.choose("broadcast", tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
-    be, h = rt.backends[name], g.handles[name]
-    return name, lambda t: be.broadcast(h, t, root), root
+    return name, rt.backends[name].starter("broadcast", g.handles[name], g.timeout, (tensor,), root), root
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
            async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are scratch)."""
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend)
+    if (g is not None and op is _SUM and type(dst) is int and isinstance(tensor, torch.Tensor)
+            and tensor.is_cpu and tensor.is_contiguous() and tensor.dtype is not torch.bool):
+        nbytes = tensor.nbytes
+        key = ("reduce", nbytes, tensor.dtype, backend, dst)
+        name, start, root = g.starters.get(key) or _remember(g, key, _reduce_plan(rt, g, tensor, dst, backend))
+        if nbytes:
+            _block(rt, g, "reduce", name, start, (tensor,), nbytes, (tensor,), (tensor,), root)
+        return None
     g = _group(group, "reduce")
     _check("reduce", tensor)
     if g.rank < 0:
@@ -545,6 +566,14 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
                    lambda b, h: b.reduce(h, t, root, rop), reads=(tensor,), writes=(tensor,),
                    post=post, result=[tensor], reduce_op=rop, invariant=[list(tensor.shape), dst],
                    peer=root)
+
+
+def _reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, dst: int, backend: Optional[str]):
+    _check("reduce", tensor)
+    root = _root("reduce", g, dst, "dst")
+    name = rt.selector.choose("reduce", tensor.nbytes, g.size, "cpu", tensor.dtype, ReduceOp.SUM, backend)
+    return name, rt.backends[name].starter("reduce", g.handles[name], g.timeout, (tensor,), root,
+                                           ReduceOp.SUM), root
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -607,14 +636,19 @@ def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: to
                               backend)
     be, h = rt.backends[name], g.handles[name]
     if gather:
-        return name, lambda out, inp: be.all_gather_into_tensor(h, out, inp)
-    return name, lambda out, inp: be.reduce_scatter_tensor(h, out, inp, ReduceOp.SUM)
+        return name, be.starter(op, h, g.timeout, (output, input))
+    return name, be.starter(op, h, g.timeout, (output, input), ReduceOp.SUM)
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[Group] = None,
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
     op = "all_gather"
+    g = _fast_group(_runtime, group, async_op, backend)
+    if g is not None and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous():
+        whole = _span(g, op, tensor_list, tensor)  # tensor_list: views of one buffer
+        if whole is not None:
+            return all_gather_into_tensor(whole, tensor, group, False, backend)
     g = _group(group, "all_gather")
     _check(op, tensor)
     _check_list(op, tensor_list, "tensor_list", tensor, g.size)
@@ -674,6 +708,11 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
                    backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``input_list[i]`` across ranks into ``output`` on group rank ``i``."""
     name = "reduce_scatter"
+    g = _fast_group(_runtime, group, async_op, backend)
+    if g is not None and isinstance(output, torch.Tensor) and output.is_cpu and output.is_contiguous():
+        whole = _span(g, name, input_list, output)  # input_list: views of one buffer
+        if whole is not None:
+            return reduce_scatter_tensor(output, whole, op, group, False, backend)
     g = _group(group, "reduce_scatter")
     _check(name, output, "output")
     _check_list(name, input_list, "input_list", output, g.size)
@@ -760,7 +799,7 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
         g, key, _rooted_plan(rt, g, op, tensor, global_root, backend))
     whole, blocks = None, ()
     if g.rank == root:
-        whole = _spanning(parts, tensor, g.size)
+        whole = _span(g, op, parts, tensor)
         if whole is None or not _disjoint(whole, tensor):
             return False
         blocks = tuple(parts)
@@ -781,9 +820,8 @@ def _rooted_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, global_ro
     _check(op, tensor)
     root = _root(op, g, global_root, "dst" if op == "gather" else "src")
     name = rt.selector.choose(op, tensor.nbytes * g.size, g.size, "cpu", tensor.dtype, None, backend)
-    be, h = rt.backends[name], g.handles[name]
-    run = be.gather if op == "gather" else be.scatter
-    return name, lambda out, inp: run(h, out, inp, root), root
+    tensors = (None, tensor) if op == "gather" else (tensor, None)
+    return name, rt.backends[name].starter(op, g.handles[name], g.timeout, tensors, root), root
 
 
 def _spanning(parts, like: torch.Tensor, n: int) -> Optional[torch.Tensor]:
@@ -806,6 +844,29 @@ def _spanning(parts, like: torch.Tensor, n: int) -> Optional[torch.Tensor]:
         return first.as_strided((n * numel,), (1,))
     except RuntimeError:
         return None
+
+
+#: Largest list (bytes) whose spanning view a group remembers between calls.
+SPAN_MEMO_BYTES = 64 << 10
+
+
+def _span(g: Group, op: str, parts, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """:func:`_spanning` of ``parts`` (``g.size`` tensors like ``like``),
+    remembered per group and op for a small list: the same list (the same
+    tensors at the same addresses) next time reuses its view without the checks."""
+    key = (op, "span")
+    memo = g.starters.get(key)
+    if (memo is not None and type(parts) in (list, tuple) and len(parts) == len(memo[0])
+            and all(map(_same_at, parts, memo[0], memo[1]))):
+        return memo[2]
+    whole = _spanning(parts, like, g.size)
+    if whole is not None and whole.nbytes <= SPAN_MEMO_BYTES:
+        _remember(g, key, (tuple(parts), tuple(p.data_ptr() for p in parts), whole))
+    return whole
+
+
+def _same_at(t, known: torch.Tensor, address: int) -> bool:
+    return t is known and t.data_ptr() == address
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -856,8 +917,7 @@ def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.T
     if rt.selector.needs_agreement(op, g.size, backend):
         return False
     name = rt.selector.choose(op, input.nbytes, g.size, "cpu", input.dtype, None, backend)
-    be, h = rt.backends[name], g.handles[name]
-    return name, lambda out, inp, oc, ic: be.all_to_all_single(h, out, inp, oc, ic), row
+    return name, rt.backends[name].starter(op, g.handles[name], g.timeout, (output, input)), row
 
 
 def _row_elements(op: str, input: torch.Tensor, output: torch.Tensor) -> int:
@@ -1049,9 +1109,7 @@ def _p2p_fast_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, peer: i
                    backend: Optional[str]):
     gpeer = _p2p_peer(op, g, tensor, peer, tag)
     name = rt.selector.choose(op, tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
-    be, h = rt.backends[name], g.handles[name]
-    begin = be.send if op == "send" else be.recv
-    return name, lambda t: begin(h, t, gpeer, tag), gpeer
+    return name, rt.backends[name].starter(op, g.handles[name], g.timeout, (tensor,), gpeer, tag), gpeer
 
 
 def _p2p(op: str, tensor, peer, group, tag, backend, async_op):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -48,6 +49,10 @@ def _cmd_info(args) -> int:
         console = Console()
         console.print(table)
         console.print(f"torch {torch.__version__}, mpi4py {mpi4py.__version__}, Python {sys.version.split()[0]}")
+        if "mpi" in versions:
+            from .backends import native
+            console.print(f"MPI hot path: {native.status()}")
+        console.print(f"waits: {mcrdl.wait_policy()} (MCRDL_WAIT={os.environ.get('MCRDL_WAIT', 'auto')})")
     finally:
         mcrdl.destroy_process_group()
     return 0

@@ -18,7 +18,7 @@ from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
 from .types import CommTimeoutError
 from .watchdog import Watchdog, watchdog_enabled
-from .work import DEATH_GRACE_S, Engine, _seconds
+from .work import DEATH_GRACE_S, Engine, _seconds, set_wait_policy, wait_policy_from_env
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
@@ -233,6 +233,7 @@ class Runtime:
             op_backends = parse_op_backends(os.environ["MCRDL_OP_BACKENDS"])
         Selector(dict.fromkeys(REGISTRY), next(iter(REGISTRY)), op_backends)  # names and ops
         beat = heartbeat_interval()
+        wait = wait_policy_from_env()
         self.timeout = timeout
         self.engine = Engine()
         self.mpi_comm = None
@@ -242,6 +243,8 @@ class Runtime:
             self._launch()
         else:
             self._join(store, rank, world_size)
+        #: "spin" or "yield": how waits use the CPU (MCRDL_WAIT, work.set_wait_policy)
+        self.wait_policy = set_wait_policy(wait, self.local_size)
         self.unavailable: dict[str, str] = {}
         self.backends: dict[str, Backend] = {}
         if self.store is None and (any(n in requested for n in ("gloo", "nccl"))

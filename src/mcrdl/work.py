@@ -60,10 +60,19 @@ class Pending:
 
 
 class Done(Pending):
-    """A request that completed at submission (e.g. zero-byte messages)."""
+    """A request that completed at submission (e.g. zero-byte messages, or
+    an op a backend ran to completion on the fast path: :data:`DONE`)."""
+
+    __slots__ = ()
 
     def test(self) -> bool:
         return True
+
+    def block(self, deadline: float) -> bool:
+        return True
+
+
+DONE = Done()
 
 
 class AfterAll(Pending):
@@ -115,12 +124,46 @@ WATCH_S = 0.1
 DEATH_GRACE_S = 0.3
 
 
+#: MCRDL_WAIT's choices: how a wait uses the CPU while the library works.
+WAIT_POLICIES = ("auto", "spin", "yield")
+#: How long a wait under the spin policy polls before it yields (a long wait).
+SPIN_S = 1e-3
+_busy_s = 0.0  # set by set_wait_policy: 0 polls FIRST_POLLS times, then yields
+
+
+def wait_policy_from_env() -> str:
+    """``MCRDL_WAIT`` (default auto), checked."""
+    policy = os.environ.get("MCRDL_WAIT", "auto")
+    if policy not in WAIT_POLICIES:
+        raise ValueError(f"MCRDL_WAIT={policy!r}: expected one of {', '.join(WAIT_POLICIES)}")
+    return policy
+
+
+def set_wait_policy(policy: str, local_ranks: int) -> str:
+    """Make every wait ``spin`` (busy-poll for :data:`SPIN_S`, then yield: no
+    scheduler latency when each rank has a core) or ``yield`` (yield the CPU
+    after the first polls: ranks sharing cores let the peer run); ``auto``:
+    spin when this host's ``local_ranks`` fit in the cores this process may
+    use. Returns the policy in force."""
+    global _busy_s
+    if policy == "auto":
+        policy = "spin" if local_ranks <= len(os.sched_getaffinity(0)) else "yield"
+    _busy_s = SPIN_S if policy == "spin" else 0.0
+    return policy
+
+
+def busy_seconds() -> float:
+    """How long a wait polls before yielding (0: only the first polls)."""
+    return _busy_s
+
+
 def spin_until(test: Callable[[], bool], deadline: float) -> bool:
     """Poll ``test`` until it succeeds (True) or ``deadline`` passes (False).
 
-    Busy for the first polls (microsecond latency), then yielding the CPU for
-    5 ms (a descheduled peer gets to run), then sleeping briefly (many ranks
-    on few cores, long waits)."""
+    Busy for the first polls (microsecond latency; under the spin policy for
+    :data:`SPIN_S`), then yielding the CPU (a descheduled peer gets to run:
+    5 ms, or up to 0.1 s under spin), then sleeping briefly (many ranks on
+    few cores, long waits). mpi_native.c's wait follows the same schedule."""
     spins = 0
     start = None
     while not test():
@@ -133,7 +176,9 @@ def spin_until(test: Callable[[], bool], deadline: float) -> bool:
         if start is None:
             start = now
         waited = now - start
-        if waited < 0.005:
+        if waited < _busy_s:
+            continue
+        if waited < (0.1 if _busy_s else 0.005):
             os.sched_yield()
         else:
             time.sleep(5e-5 if waited < 0.1 else 1e-3)

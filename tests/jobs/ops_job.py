@@ -187,4 +187,7 @@ for backend in backends:
     check(torch.equal(res[0], reduced(range(world), 8, torch.float32, "sum")), "future result")
 
 mcrdl.destroy_process_group()
+if "mpi" in backends:
+    from mcrdl.backends import native
+    print(f"rank {rank}: MPI hot path {native.status()}")
 print(f"rank {rank}: OK {count} checks on {backends}")

@@ -193,10 +193,64 @@ def multidim_blocks():
                               .view(3 * world, 2)), "gather into 2-D blocks on", backend, into)
 
 
+def span_memo():
+    """A list of views of one buffer is remembered between calls (the fast
+    paths of all_gather, reduce_scatter, gather, scatter); the same list
+    holding other tensors, or its tensors moved to other memory, must not
+    reuse the remembered buffer."""
+    for backend in mcrdl.live_backends():
+        for op in ("all_gather", "gather", "scatter", "reduce_scatter"):
+            buf = torch.zeros(world * 2)
+            parts = list(buf.chunk(world))
+
+            def call():
+                mine = torch.full((2,), float(rank + 1))
+                if op == "all_gather":
+                    mcrdl.all_gather(parts, mine, backend=backend)
+                elif op == "gather":
+                    mcrdl.gather(mine, parts if rank == 0 else None, 0, backend=backend)
+                elif op == "scatter":
+                    for i, p in enumerate(parts):
+                        p.fill_(float(i + 1))
+                    mcrdl.scatter(mine, parts if rank == 0 else None, 0, backend=backend)
+                    return mine
+                else:
+                    for i, p in enumerate(parts):
+                        p.fill_(float(i + 1))
+                    mcrdl.reduce_scatter(mine, parts, backend=backend)
+                    return mine
+
+            def expect_gathered(where):
+                if op in ("all_gather", "gather") and (op == "all_gather" or rank == 0):
+                    want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(2)
+                    check(torch.equal(torch.cat(where), want), op, backend, "gathered", where)
+
+            def expect_result(out):
+                if out is not None:
+                    want = float(rank + 1) * (world if op == "reduce_scatter" else 1)
+                    check(torch.equal(out, torch.full((2,), want)), op, backend, out)
+
+            expect_result(call())
+            expect_gathered(parts)
+            other = torch.zeros(world * 2)
+            old = buf.clone()
+            parts[:] = list(other.chunk(world))  # the same list object, other tensors
+            expect_result(call())
+            expect_gathered(parts)
+            check(torch.equal(buf, old), op, backend, "wrote into the list's former buffer")
+            moved = [torch.zeros(2) for _ in range(world)]
+            old = other.clone()
+            for p, m in zip(parts, moved):  # the same tensors, moved to separate memory
+                p.set_(m)
+            expect_result(call())
+            expect_gathered(moved)
+            check(torch.equal(other, old), op, backend, "wrote into the tensors' former memory")
+
+
 {"staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
- "multidim_blocks": multidim_blocks}[case]()
+ "multidim_blocks": multidim_blocks, "span_memo": span_memo}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()

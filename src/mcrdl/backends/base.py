@@ -76,12 +76,15 @@ class Backend:
     def all_reduce(self, h, tensor: torch.Tensor, op: ReduceOp) -> Pending:
         raise NotImplementedError
 
-    def all_reduce_starter(self, h, dtype: torch.dtype, op: ReduceOp) -> Callable[[torch.Tensor], Pending]:
-        """``all_reduce`` for contiguous CPU tensors of ``dtype`` with ``op`` on
-        ``h``, with what can be set up once done once (mcrdl's all_reduce fast
-        path keeps one per size and dtype). Optional: the default just calls
-        ``all_reduce``."""
-        return lambda tensor: self.all_reduce(h, tensor, op)
+    def starter(self, op: str, h, timeout: float, tensors: tuple, *fixed) -> Callable[..., Pending]:
+        """``op`` for mcrdl's blocking fast paths, set up once per plan: a
+        function called as ``start(*args)`` that starts ``self.<op>(h, *args,
+        *fixed)``. ``tensors``: the plan's tensors (``None`` where a rank has
+        none); later calls pass contiguous CPU tensors of the same shapes and
+        dtypes. A backend may finish the op inside ``start`` (within ``timeout``
+        s) and return a completed Pending. Optional: the default just calls ``op``."""
+        method = getattr(self, op)
+        return lambda *args: method(h, *args, *fixed)
 
     def broadcast(self, h, tensor: torch.Tensor, root: int) -> Pending:
         raise NotImplementedError

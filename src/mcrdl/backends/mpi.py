@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..types import ReduceOp
-from ..work import Pending, spin_until
+from ..work import DONE, Pending, busy_seconds, spin_until
+from . import native as native_path
 from .base import ANY_SOURCE, Backend, Context
 
 
@@ -73,6 +74,22 @@ class MPIP2PPending(MPIPending):
             pass
 
 
+class MPIExpired(MPIPending):
+    """A collective whose deadline passed inside the compiled wait: blocking
+    on it again returns at once (its buffers stay kept until MPI is done)."""
+
+    __slots__ = ()
+
+    def block(self, deadline: float) -> bool:
+        return self.req.Test()
+
+
+class MPIExpiredP2P(MPIExpired, MPIP2PPending):
+    """A send or receive whose deadline passed inside the compiled wait."""
+
+    __slots__ = ()
+
+
 class MPIAnySourcePending(MPIP2PPending):
     """A receive from any source: its status names the sender."""
 
@@ -127,6 +144,10 @@ class MPIBackend(Backend):
                            ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}
         self._fromaddress = MPI.buffer.fromaddress  # bound once: on the latency-critical path
         self._in_place = MPI.IN_PLACE
+        #: The compiled hot path (backends/native.py), or None: pure Python.
+        self.native = native_path.load()
+        if self.native is not None:
+            self.native.set_busy(busy_seconds())
 
     def version(self) -> str:
         return self.MPI.Get_library_version().splitlines()[0].strip()
@@ -179,12 +200,114 @@ class MPIBackend(Backend):
             return MPIPending(comm.Iallreduce(self._in_place, buf, mop), tensor)
         return self._reduction([tensor], lambda b: comm.Iallreduce(self._in_place, b, mop))
 
-    def all_reduce_starter(self, comm, dtype, op):
+    # -- the fast paths' starters: compiled start-and-wait where possible ----------
+    def starter(self, op, comm, timeout, tensors, *fixed):
+        build = getattr(self, "_native_" + op, None) if self.native is not None else None
+        start = build(comm, timeout, *tensors, *fixed) if build is not None else None
+        if start is None and op == "all_reduce":
+            start = self._all_reduce_starter(comm, tensors[0].dtype, *fixed)
+        return start or super().starter(op, comm, timeout, tensors, *fixed)
+
+    def _all_reduce_starter(self, comm, dtype, op):
+        """Pure-Python all_reduce with its set-up done once."""
         dt = self.reduce_types.get(dtype)
         if dt is None:  # widened to float32 and rounded back: the general path
-            return super().all_reduce_starter(comm, dtype, op)
+            return None
         iallreduce, in_place, fromaddress, mop = comm.Iallreduce, self._in_place, self._fromaddress, self.reduce_ops[op]
         return lambda t: MPIPending(iallreduce(in_place, [fromaddress(t.data_ptr(), t.nbytes), dt], mop), t)
+
+    # Each builds start(*args) -> DONE, or an expired request after ``timeout``
+    # (None: the op or dtype has no compiled form here).
+    def _native_all_reduce(self, comm, timeout, t, op):
+        dt = self.reduce_types.get(t.dtype)
+        if dt is None:
+            return None
+        run, count, mop = self.native.allreduce, t.numel(), self.reduce_ops[op]
+
+        def start(t):
+            r = run(comm, t.data_ptr(), count, dt, mop, timeout)
+            return DONE if r is None else MPIExpired(r, t)
+        return start
+
+    def _native_broadcast(self, comm, timeout, t, root):
+        run, count, dt = self.native.bcast, t.numel(), self.move_types[t.dtype]
+
+        def start(t):
+            r = run(comm, t.data_ptr(), count, dt, root, timeout)
+            return DONE if r is None else MPIExpired(r, t)
+        return start
+
+    def _native_reduce(self, comm, timeout, t, root, op):
+        dt = self.reduce_types.get(t.dtype)
+        if dt is None:
+            return None
+        run, count, mop, is_root = self.native.reduce, t.numel(), self.reduce_ops[op], comm.Get_rank() == root
+
+        def start(t):
+            r = run(comm, t.data_ptr(), count, dt, mop, root, is_root, timeout)
+            return DONE if r is None else MPIExpired(r, t)
+        return start
+
+    def _native_all_gather_into_tensor(self, comm, timeout, output, input):
+        run, count, dt = self.native.allgather, input.numel(), self.move_types[input.dtype]
+
+        def start(out, inp):
+            r = run(comm, inp.data_ptr(), out.data_ptr(), count, dt, timeout)
+            return DONE if r is None else MPIExpired(r, inp, out)
+        return start
+
+    def _native_reduce_scatter_tensor(self, comm, timeout, output, input, op):
+        dt = self.reduce_types.get(output.dtype)
+        if dt is None:
+            return None
+        run, count, mop = self.native.reduce_scatter_block, output.numel(), self.reduce_ops[op]
+
+        def start(out, inp):
+            r = run(comm, inp.data_ptr(), out.data_ptr(), count, dt, mop, timeout)
+            return DONE if r is None else MPIExpired(r, inp, out)
+        return start
+
+    def _native_gather(self, comm, timeout, output, input, root):
+        run, count, dt = self.native.gather, input.numel(), self.move_types[input.dtype]
+
+        def start(out, inp):
+            r = run(comm, inp.data_ptr(), None if out is None else out.data_ptr(), count, dt, root, timeout)
+            return DONE if r is None else MPIExpired(r, inp, out)
+        return start
+
+    def _native_scatter(self, comm, timeout, output, input, root):
+        run, count, dt = self.native.scatter, output.numel(), self.move_types[output.dtype]
+
+        def start(out, inp):
+            r = run(comm, None if inp is None else inp.data_ptr(), out.data_ptr(), count, dt, root, timeout)
+            return DONE if r is None else MPIExpired(r, inp, out)
+        return start
+
+    def _native_all_to_all_single(self, comm, timeout, output, input):
+        even, uneven, dt = self.native.alltoall, self.native.alltoallv, self.move_types[input.dtype]
+        count = input.numel() // comm.Get_size()
+
+        def start(out, inp, out_counts, in_counts):
+            if in_counts is None:
+                r = even(comm, inp.data_ptr(), out.data_ptr(), count, dt, timeout)
+            else:
+                r = uneven(comm, inp.data_ptr(), in_counts, out.data_ptr(), out_counts, dt, timeout)
+            return DONE if r is None else MPIExpired(r, inp, out)
+        return start
+
+    def _native_send(self, comm, timeout, t, peer, tag):
+        return self._native_p2p(self.native.send, comm, timeout, t, peer, tag)
+
+    def _native_recv(self, comm, timeout, t, peer, tag):
+        return self._native_p2p(self.native.recv, comm, timeout, t, peer, tag)
+
+    def _native_p2p(self, run, comm, timeout, t, peer, tag):
+        count, dt = t.numel(), self.move_types[t.dtype]
+
+        def start(t):
+            r = run(comm, t.data_ptr(), count, dt, peer, tag, timeout)
+            return DONE if r is None else MPIExpiredP2P(r, t)
+        return start
 
     def broadcast(self, comm, tensor, root):
         return MPIPending(comm.Ibcast(self._buf(tensor), root), tensor)

@@ -1,0 +1,245 @@
+"""Per-call cost of mcrdl's hot path: every op on MPI against the same call
+made directly with mpi4py, in one job, interleaved.
+
+    mcrdl run -n 2 benchmarks/hotpath.py [--sizes 4,1K,4K,16K,256K] [--ops all_reduce,...]
+                                         [--rounds R] [--json out.json]
+
+For every op and size, ``R`` rounds; each round times mcrdl (``backend="mpi"``)
+and raw mpi4py (numpy views of the same-sized tensors, made once: no per-call
+conversion) in alternating order, in two styles: back to back (a barrier, then
+``N`` calls; elapsed / N) and OSU-style cold calls (an MPI barrier before every
+call, only the call timed; mean over ``N``). A round's figure is the slowest
+rank's; the report is the median over rounds of each variant's time and of the
+per-round ratio mcrdl / raw. Before timing, both variants run once on
+rank-dependent data and their outputs must be equal. Size: the bytes of each
+rank's input (float32; reduce_scatter and the even all-to-all round up to a
+multiple of the ranks). send/recv is a ping-pong between ranks 0 and 1 (one
+way = round trip / 2); other ranks idle.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+import mcrdl
+from _record import environment, write_json
+
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
+       "reduce_scatter", "gather", "scatter", "all_to_all_single", "all_to_all_single uneven", "send/recv"]
+DEFAULT_SIZES = "4,1K,4K,16K,256K"
+STYLES = ("back to back", "barrier between")
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB" if nbytes >= 1 << 10 else f"{nbytes} B"
+
+
+def iterations(nbytes: int) -> int:
+    return 2000 if nbytes <= 4096 else 500 if nbytes <= 16384 else 100
+
+
+def build(op: str, n: int, comm, MPI, fill):
+    """(mcrdl call, raw call, mcrdl outputs, raw outputs, buffers) for ``op``
+    on ``n``-element inputs; ``fill(numel)`` makes this rank's input data."""
+    rank, w = comm.Get_rank(), comm.Get_size()
+    views = lambda *ts: [t.numpy() for t in ts]  # noqa: E731
+    pair = lambda k: (lambda x: (x, x.clone()))(fill(k))  # noqa: E731  same data for both
+    if op == "all_reduce":
+        a, b = pair(n)
+        (bv,) = views(b)
+        return (lambda: mcrdl.all_reduce(a, backend="mpi"), lambda: comm.Allreduce(MPI.IN_PLACE, bv), [a], [b])
+    if op == "broadcast":
+        a, b = pair(n)
+        (bv,) = views(b)
+        return lambda: mcrdl.broadcast(a, src=0, backend="mpi"), lambda: comm.Bcast(bv, root=0), [a], [b]
+    if op == "reduce":
+        a, b = pair(n)
+        (bv,) = views(b)
+        raw = ((lambda: comm.Reduce(MPI.IN_PLACE, bv, root=0)) if rank == 0
+               else (lambda: comm.Reduce(bv, None, root=0)))
+        return lambda: mcrdl.reduce(a, dst=0, backend="mpi"), raw, [a] if rank == 0 else [], [b] if rank == 0 else []
+    if op in ("all_gather_into_tensor", "all_gather"):
+        (ai, bi), ao, bo = pair(n), torch.zeros(n * w), torch.zeros(n * w)
+        biv, bov = views(bi, bo)
+        if op == "all_gather":
+            parts = list(ao.chunk(w))
+            call = lambda: mcrdl.all_gather(parts, ai, backend="mpi")  # noqa: E731
+        else:
+            call = lambda: mcrdl.all_gather_into_tensor(ao, ai, backend="mpi")  # noqa: E731
+        return call, lambda: comm.Allgather(biv, bov), [ao], [bo]
+    if op in ("reduce_scatter_tensor", "reduce_scatter"):
+        n = -(-n // w) * w
+        (ai, bi), ao, bo = pair(n), torch.zeros(n // w), torch.zeros(n // w)
+        biv, bov = views(bi, bo)
+        if op == "reduce_scatter":
+            parts = list(ai.chunk(w))
+            call = lambda: mcrdl.reduce_scatter(ao, parts, backend="mpi")  # noqa: E731
+        else:
+            call = lambda: mcrdl.reduce_scatter_tensor(ao, ai, backend="mpi")  # noqa: E731
+        return call, lambda: comm.Reduce_scatter_block(biv, bov), [ao], [bo]
+    if op == "gather":
+        (ai, bi), ao, bo = pair(n), torch.zeros(n * w), torch.zeros(n * w)
+        biv, bov = views(bi, bo)
+        parts = list(ao.chunk(w)) if rank == 0 else None
+        return (lambda: mcrdl.gather(ai, parts, dst=0, backend="mpi"),
+                lambda: comm.Gather(biv, bov if rank == 0 else None, root=0),
+                [ao] if rank == 0 else [], [bo] if rank == 0 else [])
+    if op == "scatter":
+        (ai, bi), ao, bo = pair(n * w), torch.zeros(n), torch.zeros(n)
+        biv, bov = views(bi, bo)
+        parts = list(ai.chunk(w)) if rank == 0 else None
+        return (lambda: mcrdl.scatter(ao, parts, src=0, backend="mpi"),
+                lambda: comm.Scatter(biv if rank == 0 else None, bov, root=0), [ao], [bo])
+    if op == "all_to_all_single":
+        n = -(-n // w) * w
+        (ai, bi), ao, bo = pair(n), torch.zeros(n), torch.zeros(n)
+        biv, bov = views(bi, bo)
+        return (lambda: mcrdl.all_to_all_single(ao, ai, backend="mpi"), lambda: comm.Alltoall(biv, bov),
+                [ao], [bo])
+    if op == "all_to_all_single uneven":  # rank r sends c(r, p) elements to peer p
+        m = max(1, n // w)
+        count = lambda r, p: m + (r + 2 * p) % 3  # noqa: E731
+        ins, outs = [count(rank, p) for p in range(w)], [count(p, rank) for p in range(w)]
+        (ai, bi), ao, bo = pair(sum(ins)), torch.zeros(sum(outs)), torch.zeros(sum(outs))
+        biv, bov = views(bi, bo)
+        displs = lambda c: [sum(c[:i]) for i in range(len(c))]  # noqa: E731
+        sendspec, recvspec = [biv, (ins, displs(ins))], [bov, (outs, displs(outs))]
+        return (lambda: mcrdl.all_to_all_single(ao, ai, outs, ins, backend="mpi"),
+                lambda: comm.Alltoallv(sendspec, recvspec), [ao], [bo])
+    if op == "send/recv":
+        a, b = pair(n)
+        (bv,) = views(b)
+        if rank == 0:
+            def call():
+                mcrdl.send(a, 1, backend="mpi")
+                mcrdl.recv(a, 1, backend="mpi")
+
+            def raw():
+                comm.Send(bv, 1)
+                comm.Recv(bv, 1)
+        elif rank == 1:
+            def call():
+                mcrdl.recv(a, 0, backend="mpi")
+                mcrdl.send(a, 0, backend="mpi")
+
+            def raw():
+                comm.Recv(bv, 0)
+                comm.Send(bv, 0)
+        else:
+            call = raw = lambda: None  # noqa: E731
+        return call, raw, [a], [b]
+    raise ValueError(f"unknown op {op!r} (known: {', '.join(OPS)})")
+
+
+def timed(call, iters: int, style: str, comm) -> float:
+    """This rank's seconds per call, ``style`` as in the module docstring."""
+    if style == "back to back":
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        return (time.perf_counter() - start) / iters
+    total = 0.0
+    for _ in range(iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        call()
+        total += time.perf_counter() - start
+    return total / iters
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default=DEFAULT_SIZES)
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=None, help="calls per timed loop (default by size)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    ops = args.ops.split(",")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+
+    mcrdl.init_process_group(backends=["mpi"])
+    from mcrdl.backends import native
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, world = comm.Get_rank(), comm.Get_size()
+    console = Console(stderr=True, width=200)
+    gen = torch.Generator().manual_seed(rank + 1)
+    fill = lambda k: torch.randint(-8, 8, (k,), generator=gen).float()  # noqa: E731  sums stay exact
+
+    results = []
+    with Progress(console=console, disable=rank != 0, transient=True) as progress:
+        task = progress.add_task("hot path", total=len(ops) * len(sizes))
+        for op in ops:
+            for nbytes in sizes:
+                n = max(1, nbytes // 4)
+                call, raw, outs, raw_outs = build(op, n, comm, MPI, fill)
+                call()
+                raw()
+                for x, y in zip(outs, raw_outs):
+                    if not torch.equal(x, y):
+                        raise SystemExit(f"rank {rank}: {op} {label(nbytes)}: mcrdl and mpi4py differ")
+                for t in outs + raw_outs:
+                    t.zero_()
+                iters = args.iters or iterations(nbytes)
+                row = {"op": op, "bytes": nbytes, "iters": iters}
+                for style in STYLES:
+                    times = {"mcrdl": [], "raw": []}
+                    for r in range(args.rounds):
+                        order = [("mcrdl", call), ("raw", raw)]
+                        for name, fn in order if r % 2 == 0 else order[::-1]:
+                            for _ in range(max(10, iters // 20)):
+                                fn()
+                            t = comm.allreduce(timed(fn, iters, style, comm), op=MPI.MAX)
+                            times[name].append(t * 1e6)
+                    ratios = [m / r for m, r in zip(times["mcrdl"], times["raw"])]
+                    row[style] = {"mcrdl_us": statistics.median(times["mcrdl"]),
+                                  "raw_us": statistics.median(times["raw"]),
+                                  "ratio": statistics.median(ratios), "ratios": ratios}
+                results.append(row)
+                progress.advance(task)
+                if rank == 0:
+                    b, c = row["back to back"], row["barrier between"]
+                    console.print(f"[{op} {label(nbytes)}] back to back {b['mcrdl_us']:.2f} vs "
+                                  f"{b['raw_us']:.2f} us = {b['ratio']:.2f}x; barrier between "
+                                  f"{c['mcrdl_us']:.2f} vs {c['raw_us']:.2f} us = {c['ratio']:.2f}x",
+                                  highlight=False, markup=False)
+    if rank == 0:
+        table = Table(title=f"mcrdl / raw mpi4py, {world} ranks, median of {args.rounds} rounds "
+                            f"(MPI hot path: {native.status().split(' (')[0]}, waits: {mcrdl.wait_policy()})")
+        table.add_column("op")
+        for nbytes in sizes:
+            table.add_column(label(nbytes), justify="right")
+        for op in ops:
+            cells = []
+            for nbytes in sizes:
+                row = next(r for r in results if r["op"] == op and r["bytes"] == nbytes)
+                cells.append(" / ".join(f"{row[s]['ratio']:.2f}x" for s in STYLES))
+            table.add_row(op, *cells)
+        Console(width=200).print(table)
+        Console(width=200).print("cells: back to back / barrier between calls")
+        if args.json:
+            write_json(args.json, {"benchmark": "hotpath", "world_size": world, "rounds": args.rounds,
+                                   "native": native.status(), "wait_policy": mcrdl.wait_policy(),
+                                   "environment": environment(mpi=MPI.Get_library_version().splitlines()[0]),
+                                   "command": " ".join(sys.argv), "results": results}, Console())
+    mcrdl.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The compiled MPI hot path (mpi_native.c): built once per machine with the
+MPI compiler of the library mpi4py runs on, cached, loaded by the MPI backend.
+
+``MCRDL_NATIVE=0`` turns it off; without a compiler, or when the built module
+links a different MPI than mpi4py's, the pure-Python path runs instead (same
+results; :func:`status` says which and why). Builds write a private file and
+rename it into place: ranks building at once never see a partial module and no
+lock can go stale.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from typing import Optional
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_native.c")
+MODULE = "mcrdl_mpi_native"
+BUILD_TIMEOUT_S = 120
+
+_loaded: Optional[tuple] = None  # (module or None, status line)
+
+
+def mpicc() -> Optional[str]:
+    """The MPI C compiler: $MPICC, the one beside this Python (the mpich
+    wheel's), mpi4py's build configuration, else ``mpicc`` on PATH."""
+    import mpi4py
+
+    beside = os.path.join(os.path.dirname(sys.executable), "mpicc")
+    for candidate in (os.environ.get("MPICC"), beside if os.path.exists(beside) else None,
+                      mpi4py.get_config().get("mpicc"), shutil.which("mpicc")):
+        if candidate:
+            return candidate
+    return None
+
+
+def cache_dir() -> str:
+    return os.environ.get("MCRDL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcrdl")
+
+
+def _target(cc: str, mpi_version: str) -> str:
+    """Cached module path, keyed by everything the binary depends on."""
+    import mpi4py
+
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read())
+    for part in (os.path.realpath(cc), mpi_version, sys.version, mpi4py.__version__):
+        key.update(part.encode())
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    return os.path.join(cache_dir(), "native", key.hexdigest()[:16], MODULE + suffix)
+
+
+def build(cc: str, target: str) -> None:
+    """Compile mpi_native.c into ``target`` (atomically); raises on failure."""
+    import mpi4py
+
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so.tmp")
+    os.close(fd)
+    try:
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-I" + sysconfig.get_paths()["include"],
+               "-I" + mpi4py.get_include(), SOURCE, "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load():
+    """The native module, or None (the reason is in :func:`status`)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded[0]
+
+
+def status() -> str:
+    """One line: is the compiled hot path in use, and if not, why."""
+    load()
+    return _loaded[1]
+
+
+def _load() -> tuple:
+    if os.environ.get("MCRDL_NATIVE", "1") == "0":
+        return None, "off (MCRDL_NATIVE=0): pure-Python path"
+    from .mpi import import_mpi
+
+    mpi_version = import_mpi().Get_library_version()
+    cc = mpicc()
+    if cc is None:
+        return None, "no MPI C compiler (set MPICC): pure-Python path"
+    target = _target(cc, mpi_version)
+    if not os.path.exists(target):
+        try:
+            build(cc, target)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            return None, f"build failed ({str(exc).splitlines()[0]}): pure-Python path"
+    spec = importlib.util.spec_from_file_location(MODULE, target)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        return None, f"cannot load {target} ({exc}): pure-Python path"
+    if module.library_version() != mpi_version:
+        return None, f"{cc} builds for another MPI than mpi4py's: pure-Python path"
+    return module, f"compiled ({target})"
