@@ -34,8 +34,10 @@ class SlowPhaseMPI(MPIBackend):
         self._phase(tensor)
         return super().all_reduce(comm, tensor, op)
 
-    def all_reduce_starter(self, comm, dtype, op):
-        start = super().all_reduce_starter(comm, dtype, op)
+    def starter(self, op, comm, timeout, tensors, *fixed):  # the fast path's start
+        start = super().starter(op, comm, timeout, tensors, *fixed)
+        if op != "all_reduce":
+            return start
         return lambda tensor: (self._phase(tensor), start(tensor))[1]
 
 
