@@ -202,6 +202,8 @@ class MPIBackend(Backend):
 
     # -- the fast paths' starters: compiled start-and-wait where possible ----------
     def starter(self, op, comm, timeout, tensors, *fixed):
+        """The compiled start-and-wait where it applies, else Python. It does not
+        call the op methods: a subclass that changes an op changes this too."""
         build = getattr(self, "_native_" + op, None) if self.native is not None else None
         start = build(comm, timeout, *tensors, *fixed) if build is not None else None
         if start is None and op == "all_reduce":
