@@ -26,7 +26,8 @@ t = torch.ones(1)
 times = {"off": [], "on": []}
 for _ in range(args.rounds):
     for mode in times:
-        rt.logger = CommsLogger(rank, mcrdl.get_world_size()) if mode == "on" else None
+        rt.logger = (CommsLogger(rank, mcrdl.get_world_size(), lambda data: rt.control_allgather(rt.world, data))
+                     if mode == "on" else None)
         mcrdl.barrier(backend="mpi")
         start = time.perf_counter()
         for _ in range(args.iters):

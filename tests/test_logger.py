@@ -9,7 +9,7 @@ from mcrdl.features.logger import (CommsLogger, Record, arrival_summary, arrival
 
 
 def make(rank=0, world=4):
-    lg = CommsLogger(rank, world)
+    lg = CommsLogger(rank, world, lambda data: [data])
     return lg
 
 

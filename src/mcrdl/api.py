@@ -77,7 +77,7 @@ def _check_same_selection(rt: Runtime) -> None:
               "table": None if table is None else json.dumps(table.to_dict(), sort_keys=True)}
     mine = json.dumps(config, sort_keys=True)
     digest = hashlib.sha256(mine.encode()).hexdigest()
-    digests = [b.decode() for b in _control_allgather(rt, rt.world, digest.encode())]
+    digests = [b.decode() for b in rt.control_allgather(rt.world, digest.encode())]
     if len(set(digests)) > 1:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(f"init_process_group: ranks {odd} select backends differently from "
@@ -92,8 +92,7 @@ def destroy_process_group() -> None:
     atexit.unregister(destroy_process_group)
     if _runtime is not None:
         if _runtime.logger is not None:
-            from .features.logger import at_destroy
-            at_destroy(_runtime.logger)
+            _runtime.logger.close()
         rt, _runtime = _runtime, None
         rt.shutdown()
 
@@ -304,7 +303,7 @@ def _fingerprint(rt: Runtime, g: Group, op: str, backend: Optional[str], **field
         rt.health.arrive(g.name)
     mine = {"seq": g.seq, "op": op, "backend": backend, **fields}
     try:
-        blobs = _control_allgather(rt, g, json.dumps(mine, sort_keys=True, default=str).encode())
+        blobs = rt.control_allgather(g, json.dumps(mine, sort_keys=True, default=str).encode())
     except CommError as exc:  # name the user's op, not the control message
         where = f"{op} on backend '{backend}'" if backend else op
         exc.args = (f"{where}: debug-mode order check failed: {exc.args[0]}", *exc.args[1:])
@@ -317,36 +316,6 @@ def _fingerprint(rt: Runtime, g: Group, op: str, backend: Optional[str], **field
                            for i, p in enumerate(prints))
         raise CommError(f"collective mismatch on group {g.name} at collective #{g.seq}: fields "
                         f"{differ} differ across ranks ({detail})")
-
-
-def _control_backend(rt: Runtime) -> str:
-    return "mpi" if "mpi" in rt.backends else next(
-        n for n, b in rt.backends.items() if "cpu" in b.devices)
-
-
-def _control(rt: Runtime, g: Group, start: Callable, what: str) -> None:
-    """Run a small synchronous control collective (agreement, fingerprints)."""
-    name = _control_backend(rt)
-    pending = start(rt.backends[name], g.handles[name])
-    rt.engine.run(what, name, pending, (), (), (), g, (), False)
-
-
-def _control_max(rt: Runtime, g: Group, value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    _control(rt, g, lambda b, h: b.all_reduce(h, t, ReduceOp.MAX), "size agreement")
-    return int(t[0])
-
-
-def _control_allgather(rt: Runtime, g: Group, data: bytes) -> list[bytes]:
-    n = _control_max(rt, g, len(data))
-    mine = torch.zeros(n + 8, dtype=torch.uint8)
-    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    out = torch.empty(g.size * (n + 8), dtype=torch.uint8)
-    _control(rt, g, lambda b, h: b.all_gather_into_tensor(h, out, mine), "fingerprint exchange")
-    raw = out.numpy().tobytes()
-    rows = [raw[i * (n + 8):(i + 1) * (n + 8)] for i in range(g.size)]
-    return [r[8:8 + int.from_bytes(r[:8], "little")] for r in rows]
 
 
 def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optional[str],
@@ -369,7 +338,7 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
         if rt.debug:
             _fingerprint(rt, g, op, None, dtype=str(ref.dtype), device=device, shape=invariant,
                          explicit=explicit)
-        nbytes = _control_max(rt, g, nbytes)
+        nbytes = rt.control_max(g, nbytes)
         name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
     elif rt.debug and collective:
         _fingerprint(rt, g, op, name, dtype=str(ref.dtype), device=device, shape=invariant,

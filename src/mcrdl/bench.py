@@ -431,10 +431,8 @@ def mode_of(meta: dict) -> str:
 
 
 def _allgather_str(text: str) -> list[str]:
-    from .api import _control_allgather
-
     rt = api._rt()
-    return [b.decode() for b in _control_allgather(rt, rt.world, text.encode())]
+    return [b.decode() for b in rt.control_allgather(rt.world, text.encode())]
 
 
 def write_json(path: str, results: Sequence[Result], meta: dict) -> None:

@@ -11,12 +11,14 @@ import warnings
 from datetime import timedelta
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
+import torch
+
 from .backends import REGISTRY, Backend, Context
 from .backends.mpi import import_mpi, mpi_launched
 from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
-from .types import CommTimeoutError
+from .types import CommTimeoutError, ReduceOp
 from .watchdog import Watchdog, watchdog_enabled
 from .work import DEATH_GRACE_S, Engine, _seconds, set_wait_policy, wait_policy_from_env
 
@@ -287,11 +289,12 @@ class Runtime:
         if comms_log is None:
             comms_log = os.environ.get("MCRDL_COMMS_LOG", "0") == "1"
         self.logger = None
-        if comms_log:
-            from .features.logger import CommsLogger
-            self.logger = CommsLogger(self.rank, self.world_size)
         self.groups: list[Group] = []
         self.world = self.new_group(range(self.world_size), timeout, name="world")
+        if comms_log:  # an observer: the API reports each op to it
+            from .features.logger import CommsLogger
+            self.logger = CommsLogger(self.rank, self.world_size,
+                                      lambda data: self.control_allgather(self.world, data))
 
     # -- launch and rendezvous ---------------------------------------------------
     def _launch(self) -> None:
@@ -424,6 +427,33 @@ class Runtime:
         group.handles.clear()
         if group in self.groups:
             self.groups.remove(group)
+
+    # -- control collectives (agreement, fingerprints, the logger's exchange) ----------
+    def _control(self, g: Group, start, what: str) -> None:
+        """Run a small blocking collective on the control backend (MPI if live,
+        else the first CPU backend), not logged and not fingerprinted."""
+        name = "mpi" if "mpi" in self.backends else next(
+            n for n, b in self.backends.items() if "cpu" in b.devices)
+        pending = start(self.backends[name], g.handles[name])
+        self.engine.run(what, name, pending, (), (), (), g, (), False)
+
+    def control_max(self, g: Group, value: int) -> int:
+        """The maximum of ``value`` over the group's ranks."""
+        t = torch.tensor([value], dtype=torch.int64)
+        self._control(g, lambda b, h: b.all_reduce(h, t, ReduceOp.MAX), "size agreement")
+        return int(t[0])
+
+    def control_allgather(self, g: Group, data: bytes) -> list[bytes]:
+        """Every group rank's ``data`` (any lengths), in group rank order."""
+        n = self.control_max(g, len(data))
+        mine = torch.zeros(n + 8, dtype=torch.uint8)
+        mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(g.size * (n + 8), dtype=torch.uint8)
+        self._control(g, lambda b, h: b.all_gather_into_tensor(h, out, mine), "fingerprint exchange")
+        raw = out.numpy().tobytes()
+        rows = [raw[i * (n + 8):(i + 1) * (n + 8)] for i in range(g.size)]
+        return [r[8:8 + int.from_bytes(r[:8], "little")] for r in rows]
 
     def _peer_died(self, rank: int) -> None:
         """The watchdog saw ``rank``'s process end (called on its thread)."""

@@ -23,7 +23,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..tuning import OP_CLASS
 
@@ -69,15 +69,44 @@ class Record:
         return self.end - self.start if self.end >= 0 else float("nan")
 
 
-class CommsLogger:
-    """Per-rank record store; the API calls :meth:`begin` and the returned
-    callback at completion."""
+#: The logger of the live process group, if it logs (what ``mcrdl.comms_*`` read).
+_active: Optional["CommsLogger"] = None
 
-    def __init__(self, rank: int, world_size: int):
+
+class CommsLogger:
+    """Per-rank record store, an observer of the API: it calls :meth:`begin`
+    for each op and the returned callback at completion. ``gather(bytes)``
+    returns every rank's bytes (a control all-gather over the world, not
+    logged): the views across ranks use it."""
+
+    def __init__(self, rank: int, world_size: int, gather: Callable[[bytes], list[bytes]]):
+        global _active
         self.rank, self.world_size = rank, world_size
         self.records: list[Record] = []
+        self._gather = gather
         self._t0 = time.perf_counter()
         self._wall0 = time.time()
+        _active = self
+
+    def close(self) -> None:
+        """At destroy_process_group (collective: every rank destroys): export
+        to ``MCRDL_COMMS_LOG_DIR`` if set, print the summary on rank 0, stop
+        being the active logger."""
+        global _active
+        try:
+            directory = os.environ.get("MCRDL_COMMS_LOG_DIR")
+            if directory:
+                export_comms(directory)
+            summary = comms_summary(all_ranks=True)
+            if self.rank == 0:
+                print_comms_summary(summary)
+        finally:
+            if _active is self:
+                _active = None
+
+    def gather(self, doc: dict) -> list[dict]:
+        """Every rank's ``doc``, in rank order."""
+        return [json.loads(b) for b in self._gather(json.dumps(doc).encode())]
 
     def begin(self, op: str, backend: str, group, nbytes: int, async_op: bool,
               root: int = -1, counts=None):
@@ -283,10 +312,8 @@ def write_json(path: str, doc) -> None:
 
 
 # -- public functions (mcrdl.comms_*) ----------------------------------------------------
-def _logger():
-    from .. import api
-
-    lg = api._rt().logger
+def _logger() -> CommsLogger:
+    lg = _active
     if lg is None:
         raise RuntimeError("the communication logger is off: init_process_group(comms_log=True) "
                            "or MCRDL_COMMS_LOG=1")
@@ -313,7 +340,7 @@ def comms_summary(all_ranks: bool = True) -> dict:
     lg = _logger()
     out = {"rank": lg.rank, "summary": lg.summary(), "histogram": lg.histogram()}
     if all_ranks:
-        out.update(_across_ranks([d["doc"] for d in _gather({"doc": lg.to_json()})]))
+        out.update(_across_ranks([d["doc"] for d in lg.gather({"doc": lg.to_json()})]))
     return out
 
 
@@ -370,8 +397,8 @@ def export_comms(directory: str) -> dict:
     os.makedirs(directory, exist_ok=True)
     paths = {"records": os.path.join(directory, f"records_rank{lg.rank}.json")}
     write_json(paths["records"], lg.to_json())
-    gathered = _gather({"events": lg.trace_events(), "traffic": lg.traffic_row(),
-                        "doc": lg.to_json()})
+    gathered = lg.gather({"events": lg.trace_events(), "traffic": lg.traffic_row(),
+                          "doc": lg.to_json()})
     if lg.rank != 0:
         return paths
     trace = {"traceEvents": [e for d in gathered for e in d["events"]], "displayTimeUnit": "ms"}
@@ -390,22 +417,3 @@ def export_comms(directory: str) -> dict:
     write_json(paths["summary"], {"summary": lg.summary(), "histogram": lg.histogram(),
                                   **_across_ranks([d["doc"] for d in gathered])})
     return paths
-
-
-def _gather(doc: dict) -> list[dict]:
-    """Every rank's ``doc``, in rank order (a control all-gather, not logged)."""
-    from .. import api
-
-    rt = api._rt()
-    return [json.loads(b) for b in api._control_allgather(rt, rt.world, json.dumps(doc).encode())]
-
-
-def at_destroy(logger: CommsLogger) -> None:
-    """On destroy_process_group: export to ``MCRDL_COMMS_LOG_DIR`` if set, and
-    print the summary on rank 0 (collective: every rank destroys)."""
-    directory = os.environ.get("MCRDL_COMMS_LOG_DIR")
-    if directory:
-        export_comms(directory)
-    summary = comms_summary(all_ranks=True)
-    if logger.rank == 0:
-        print_comms_summary(summary)
