@@ -824,18 +824,18 @@ def _span(g: Group, op: str, parts, like: torch.Tensor) -> Optional[torch.Tensor
     remembered per group and op for a small list: the same list (the same
     tensors at the same addresses) next time reuses its view without the checks."""
     key = (op, "span")
-    memo = g.starters.get(key)
+    memo = g.starters.get(key)  # ((tensor, address), ...), view
     if (memo is not None and type(parts) in (list, tuple) and len(parts) == len(memo[0])
-            and all(map(_same_at, parts, memo[0], memo[1]))):
-        return memo[2]
+            and memo[1].dtype is like.dtype and memo[1].numel() == len(parts) * like.numel()):
+        for t, (known, address) in zip(parts, memo[0]):
+            if t is not known or t.data_ptr() != address:
+                break
+        else:
+            return memo[1]
     whole = _spanning(parts, like, g.size)
     if whole is not None and whole.nbytes <= SPAN_MEMO_BYTES:
-        _remember(g, key, (tuple(parts), tuple(p.data_ptr() for p in parts), whole))
+        _remember(g, key, (tuple((p, p.data_ptr()) for p in parts), whole))
     return whole
-
-
-def _same_at(t, known: torch.Tensor, address: int) -> bool:
-    return t is known and t.data_ptr() == address
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -859,9 +859,11 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
             if even:
                 out_counts = in_counts = None
             else:
-                out_rows = _splits("all_to_all_single", "output", output, output_split_sizes, g.size)
-                in_rows = _splits("all_to_all_single", "input", input, input_split_sizes, g.size)
-                out_counts, in_counts = [r * row for r in out_rows], [r * row for r in in_rows]
+                out_counts = _counts(output_split_sizes, g.size, output, row)
+                in_counts = _counts(input_split_sizes, g.size, input, row)
+                if out_counts is None or in_counts is None:  # the general path names what is wrong
+                    return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
+                                              async_op, backend)
             counts = None  # bytes per peer, for the logger only
             if rt.logger is not None:
                 counts = ([input.nbytes // g.size] * g.size if even
@@ -887,6 +889,21 @@ def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.T
         return False
     name = rt.selector.choose(op, input.nbytes, g.size, "cpu", input.dtype, None, backend)
     return name, rt.backends[name].starter(op, g.handles[name], g.timeout, (output, input)), row
+
+
+def _counts(splits, size: int, t: torch.Tensor, row: int) -> Optional[list]:
+    """Elements per peer from valid split sizes of ``t`` (a list of ``size``
+    non-negative ints summing to its rows), else None."""
+    if type(splits) is not list or len(splits) != size:
+        return None
+    total = 0
+    for s in splits:
+        if type(s) is not int or s < 0:
+            return None
+        total += s
+    if total * row != t.numel():
+        return None
+    return splits if row == 1 else [s * row for s in splits]
 
 
 def _row_elements(op: str, input: torch.Tensor, output: torch.Tensor) -> int:

@@ -232,6 +232,14 @@ def span_memo():
 
             expect_result(call())
             expect_gathered(parts)
+            if op in ("gather", "scatter") and rank == 0:  # (only the root checks its list)
+                bigger = torch.ones(3)
+                try:  # the remembered view holds 2 per rank: reused, MPI would overrun it
+                    (mcrdl.gather if op == "gather" else mcrdl.scatter)(bigger, parts, 0, backend=backend)
+                except ValueError:
+                    pass
+                else:
+                    raise AssertionError(f"{op} of a bigger tensor with the remembered list ran")
             other = torch.zeros(world * 2)
             old = buf.clone()
             parts[:] = list(other.chunk(world))  # the same list object, other tensors
