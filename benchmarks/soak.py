@@ -1,12 +1,14 @@
 """Soak: many short mixed MPI + gloo jobs, every way a job ends, counting exit codes.
 
-    python benchmarks/soak.py --jobs 500 [--ranks 2 4] [--load 1] [--out docs/results/soak]
+    python benchmarks/soak.py --jobs 512 [--ranks 2 4] [--routes api torch] [--load 1] [--out OUT]
 
-Each job (benchmarks/soak_job.py under `mcrdl run`) does mixed async work on
-MPI and gloo, then ends one of four ways: destroy_process_group, the exit
-handler, an exception on every rank, or SIGTERM to `mcrdl run`; with all async
-work completed or some still outstanding. Jobs cycle through ranks x endings x
-outstanding. A job is clean when its exit code is the one its ending calls for
+Each job (benchmarks/soak_job.py under `mcrdl run`) starts mcrdl through its
+own API or through torch.distributed's init_process_group("mcrdl") with a DDP
+step, does mixed async work on MPI and gloo, then ends one of four ways:
+destroy_process_group, the exit handler, an exception on every rank, or
+SIGTERM to `mcrdl run`; with all async work completed or some still
+outstanding. Jobs cycle through routes x ranks x endings x outstanding. A
+job is clean when its exit code is the one its ending calls for
 (0, 0, 1, 143), no rank aborted ("terminate called", SIGABRT, core dump) and no
 rank process is left afterwards. ``--load N`` keeps N busy-looping processes
 running meanwhile (a loaded machine). Writes OUT.json and OUT.md.
@@ -48,11 +50,11 @@ def _rank_pids(marker: str) -> list[int]:
     return [int(p) for p in out.split() if int(p) != os.getpid()]
 
 
-def run_job(nprocs: int, ending: str, outstanding: bool, timeout: float) -> dict:
+def run_job(route: str, nprocs: int, ending: str, outstanding: bool, timeout: float) -> dict:
     """One job; its outcome."""
     with tempfile.TemporaryDirectory(prefix="mcrdl-soak-") as marks:
         cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--timeout", str(timeout),
-               JOB, ending, "1" if outstanding else "0", marks]
+               JOB, route, ending, "1" if outstanding else "0", marks]
         start = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 cwd=ROOT)
@@ -69,21 +71,22 @@ def run_job(nprocs: int, ending: str, outstanding: bool, timeout: float) -> dict
     abort = ABORT.search(out)
     code = proc.returncode
     clean = code == ENDINGS[ending] and not abort and not left
-    return {"ranks": nprocs, "ending": ending, "outstanding": outstanding, "exit_code": code,
+    return {"route": route, "ranks": nprocs, "ending": ending, "outstanding": outstanding, "exit_code": code,
             "seconds": round(seconds, 2), "abort": abort.group(0) if abort else None,
             "left_running": len(left), "clean": clean, "tail": None if clean else out[-2000:]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=500)
+    ap.add_argument("--jobs", type=int, default=512)
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--routes", nargs="+", default=["api", "torch"], choices=["api", "torch"])
     ap.add_argument("--load", type=int, default=1, help="busy-looping processes meanwhile")
     ap.add_argument("--timeout", type=float, default=120, help="per job (s)")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "soak"))
     args = ap.parse_args()
     console = Console()
-    cases = itertools.cycle(itertools.product(args.ranks, ENDINGS, (False, True)))
+    cases = itertools.cycle(itertools.product(args.routes, args.ranks, ENDINGS, (False, True)))
     hogs = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.load)]
     for h in hogs:
         h.start()
@@ -93,27 +96,27 @@ def main() -> None:
         with Progress(console=console) as progress:
             task = progress.add_task("soak", total=args.jobs)
             for _ in range(args.jobs):
-                nprocs, ending, outstanding = next(cases)
-                r = run_job(nprocs, ending, outstanding, args.timeout)
+                route, nprocs, ending, outstanding = next(cases)
+                r = run_job(route, nprocs, ending, outstanding, args.timeout)
                 results.append(r)
                 if not r["clean"]:
-                    progress.console.print(f"[red]not clean[/red]: {nprocs} ranks, {ending}, outstanding="
-                                           f"{outstanding}: exit {r['exit_code']}, abort {r['abort']}, "
+                    progress.console.print(f"[red]not clean[/red]: {route}, {nprocs} ranks, {ending}, "
+                                           f"outstanding={outstanding}: exit {r['exit_code']}, abort {r['abort']}, "
                                            f"{r['left_running']} left running")
                 progress.advance(task)
     finally:
         for h in hogs:
             h.terminate()
     table = Table(title=f"soak: {len(results)} jobs, {args.load} busy process(es)")
-    for col in ("ranks", "ending", "outstanding", "jobs", "clean", "exit codes", "aborts",
+    for col in ("route", "ranks", "ending", "outstanding", "jobs", "clean", "exit codes", "aborts",
                 "left running", "median s"):
         table.add_column(col)
     rows = []
-    for key, group in itertools.groupby(sorted(results, key=lambda r: (r["ranks"], r["ending"], r["outstanding"])),
-                                        key=lambda r: (r["ranks"], r["ending"], r["outstanding"])):
+    case = lambda r: (r["route"], r["ranks"], r["ending"], r["outstanding"])  # noqa: E731
+    for key, group in itertools.groupby(sorted(results, key=case), key=case):
         group = list(group)
         secs = sorted(r["seconds"] for r in group)
-        row = [str(key[0]), key[1], str(key[2]), str(len(group)), str(sum(r["clean"] for r in group)),
+        row = [key[0], str(key[1]), key[2], str(key[3]), str(len(group)), str(sum(r["clean"] for r in group)),
                " ".join(f"{c}x{n}" for c, n in sorted(Counter(r["exit_code"] for r in group).items())),
                str(sum(bool(r["abort"]) for r in group)), str(sum(r["left_running"] for r in group)),
                f"{secs[len(secs) // 2]:.1f}"]
@@ -138,8 +141,8 @@ def main() -> None:
                 + "".join("| " + " | ".join(r) + " |\n" for r in rows))
         for r in results:
             if not r["clean"]:
-                f.write(f"\n## Not clean: {r['ranks']} ranks, {r['ending']}, outstanding={r['outstanding']}"
-                        f" (exit {r['exit_code']})\n\n```\n{r['tail']}\n```\n")
+                f.write(f"\n## Not clean: {r['route']}, {r['ranks']} ranks, {r['ending']}, "
+                        f"outstanding={r['outstanding']} (exit {r['exit_code']})\n\n```\n{r['tail']}\n```\n")
     console.print(f"wrote {args.out}.md")
     sys.exit(0 if clean == len(results) else 1)
 

@@ -161,13 +161,14 @@ def test_a_rank_that_leaves_cleanly_is_not_reported_dead(tmp_path):
 
 
 def test_small_soak_every_ending_is_clean(tmp_path):
-    """benchmarks/soak.py in small: 2 ranks, mixed MPI + gloo work, ending by
+    """benchmarks/soak.py in small: 2 ranks, mcrdl's API and torch's
+    init_process_group("mcrdl") with DDP, mixed MPI + gloo work, ending by
     destroy, exit handler, exception and SIGTERM, with async work completed or
     outstanding: each exits with its ending's code, no abort, no rank left."""
     out = tmp_path / "soak"
     proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "soak.py"),
-                           "--jobs", "8", "--ranks", "2", "--load", "0", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                           "--jobs", "16", "--ranks", "2", "--load", "0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
     doc = json.loads(Path(f"{out}.json").read_text())
     bad = [r for r in doc["results"] if not r["clean"]]
-    assert doc["jobs"] == 8 and not bad, (proc.stdout[-2000:], bad)
+    assert doc["jobs"] == 16 and not bad, (proc.stdout[-2000:], bad)

@@ -420,11 +420,15 @@ class Runtime:
         return group
 
     def destroy_group(self, group: Group) -> None:
-        """Release ``group``'s handles (idempotent; the world lives until shutdown)."""
+        """Release ``group``'s handles (idempotent; the world lives until shutdown).
+        Its plans go too: they hold the handles, and a torch process group that
+        outlives shutdown is destroyed during interpreter teardown, where its
+        worker threads can abort the process."""
         for bname, handle in group.handles.items():
             if bname in self.backends:
                 self.backends[bname].destroy_group(handle)
         group.handles.clear()
+        group.starters.clear()
         if group in self.groups:
             self.groups.remove(group)
 

@@ -255,10 +255,33 @@ def span_memo():
             check(torch.equal(other, old), op, backend, "wrote into the tensors' former memory")
 
 
+def released():
+    """destroy_process_group releases every library handle at once, though the
+    user still holds the group (torch's ProcessGroup wrapper does): a gloo group
+    kept alive by a cached fast-path plan was destroyed only at interpreter
+    teardown, and its worker thread, still dropping the last work's tensors,
+    aborted the process ("terminate called without an active exception")."""
+    import gc
+    import weakref
+    world_group = mcrdl.new_group(list(range(world)))
+    for g in (None, world_group):
+        for backend in mcrdl.live_backends():
+            mcrdl.all_reduce(torch.ones(4), group=g, backend=backend)
+            mcrdl.broadcast(torch.ones(4), 0, group=g, backend=backend)
+    held = [mcrdl.api._rt().world, world_group]  # as ProcessGroupMCRDL holds its group
+    refs = {f"{g.name}/{name}": weakref.ref(g.handles[name])
+            for g in held for name in g.handles if name != "mpi"}  # (mpi4py Comms take no weakref)
+    check(any("gloo" in k for k in refs), "no gloo handle to watch", refs)
+    mcrdl.destroy_process_group()
+    gc.collect()
+    alive = [k for k, r in refs.items() if r() is not None]
+    check(not alive, "handles alive after destroy_process_group", alive)
+
+
 {"staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
- "multidim_blocks": multidim_blocks, "span_memo": span_memo}[case]()
+ "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
