@@ -52,3 +52,36 @@ def test_unknown_wait_policy_is_refused():
                           timeout=120, env={**os.environ, "MCRDL_WAIT": "busy"})
     assert proc.returncode != 0
     assert "MCRDL_WAIT='busy': expected one of auto, spin, yield" in proc.stdout + proc.stderr
+
+
+BAD_CALLS = """
+import torch
+from mpi4py import MPI
+from mcrdl.backends import native
+from mcrdl.types import CommError
+mod = native.load()
+t = torch.zeros(4)
+def refused(call, error, words):
+    try:
+        call()
+    except error as exc:
+        assert all(w in str(exc) for w in words), exc
+    else:
+        raise AssertionError(f"no {error.__name__}")
+comm = MPI.COMM_SELF
+refused(lambda: mod.allreduce(comm, t.data_ptr(), 2**31, MPI.FLOAT, MPI.SUM, 1.0), OverflowError, ["2147483648"])
+refused(lambda: mod.alltoallv(comm, t.data_ptr(), [2**31], t.data_ptr(), [1], MPI.FLOAT, 1.0),
+        OverflowError, ["C int"])
+refused(lambda: mod.alltoallv(comm, t.data_ptr(), [-1], t.data_ptr(), [1], MPI.FLOAT, 1.0),
+        ValueError, ["negative"])
+refused(lambda: mod.send(comm, t.data_ptr(), 4, MPI.FLOAT, 7, 0, 1.0), CommError,
+        ["MPI_Isend on backend 'mpi' failed", "Invalid rank"])
+refused(lambda: mod.bcast(comm, t.data_ptr(), 4, "float", 0, 1.0), TypeError, [])
+mod.allreduce(comm, t.data_ptr(), 4, MPI.FLOAT, MPI.SUM, 1.0)  # still usable
+print("BAD CALLS OK")
+"""
+
+
+def test_compiled_calls_refuse_what_mpi_cannot_count_and_raise_mpi_errors_as_comm_errors():
+    proc = subprocess.run([sys.executable, "-c", BAD_CALLS], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "BAD CALLS OK" in proc.stdout, proc.stdout + proc.stderr

@@ -28,6 +28,7 @@ _runtime: Optional[Runtime] = None
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                     torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
 _SUM = ReduceOp.SUM
+MAX_TAG = 2**31 - 1  # a C int (MPI's own bound, MPI_TAG_UB, may be lower)
 
 
 # -- lifecycle -------------------------------------------------------------------------
@@ -392,8 +393,8 @@ def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
 def _fast_group(rt: Optional[Runtime], group: Optional[Group], async_op: bool,
                 backend: Optional[str]) -> Optional[Group]:
     """The group a blocking op may take its fast path on, or None (then the
-    general path runs, and reports bad arguments)."""
-    if (async_op or rt is None or rt.debug or rt.engine.outstanding
+    general path runs, and reports bad arguments or a dead peer)."""
+    if (async_op or rt is None or rt.debug or rt.engine.outstanding or rt.engine.lost
             or not (backend is None or type(backend) is str)):
         return None
     g = rt.world if group is None else group
@@ -435,7 +436,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
     # The fast path, with _fast_group and _block inlined for the unlogged case
     # (two calls fewer on the 4-byte latency path).
     if (op is _SUM and not async_op and rt is not None and not rt.debug and not rt.engine.outstanding
-            and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
+            and not rt.engine.lost and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
             and tensor.dtype is not torch.bool and (backend is None or type(backend) is str)):
         g = rt.world if group is None else group
         if type(g) is Group and g.owner is rt and g.rank >= 0:
@@ -1115,8 +1116,8 @@ def _p2p_peer(op: str, g: Group, tensor, peer, tag) -> int:
         gpeer = _root(op, g, peer, what)
     if gpeer == g.rank:
         raise ValueError(f"{op}: {what}={peer} is this rank itself")
-    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
-        raise ValueError(f"{op}: tag must be a non-negative int, got {tag!r}")
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= MAX_TAG:
+        raise ValueError(f"{op}: tag must be an int from 0 to {MAX_TAG}, got {tag!r}")
     return gpeer
 
 

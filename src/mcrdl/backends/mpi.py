@@ -39,6 +39,10 @@ def import_mpi():
 #: Tag of communicator creation on the world communicator: members check in on
 #: the store first, so no two creations involving one rank overlap.
 GROUP_TAG = 7411
+INT_MAX = 2**31 - 1  # MPI's count type in the compiled calls
+#: Seconds a compiled call waits before it hands the still-pending request to
+#: the engine, whose wait sees the op's deadline, dead peers and Ctrl-C.
+NATIVE_WAIT_S = 0.1
 
 
 class MPIPending(Pending):
@@ -72,22 +76,6 @@ class MPIP2PPending(MPIPending):
             self.req.Cancel()
         except Exception:  # already matched or completed: nothing to withdraw
             pass
-
-
-class MPIExpired(MPIPending):
-    """A collective whose deadline passed inside the compiled wait: blocking
-    on it again returns at once (its buffers stay kept until MPI is done)."""
-
-    __slots__ = ()
-
-    def block(self, deadline: float) -> bool:
-        return self.req.Test()
-
-
-class MPIExpiredP2P(MPIExpired, MPIP2PPending):
-    """A send or receive whose deadline passed inside the compiled wait."""
-
-    __slots__ = ()
 
 
 class MPIAnySourcePending(MPIP2PPending):
@@ -205,7 +193,10 @@ class MPIBackend(Backend):
         """The compiled start-and-wait where it applies, else Python. It does not
         call the op methods: a subclass that changes an op changes this too."""
         build = getattr(self, "_native_" + op, None) if self.native is not None else None
-        start = build(comm, timeout, *tensors, *fixed) if build is not None else None
+        if build is not None and all(t is None or t.numel() <= INT_MAX for t in tensors):
+            start = build(comm, min(timeout, NATIVE_WAIT_S), *tensors, *fixed)
+        else:  # (the compiled calls count in C int; mpi4py has MPI's large-count calls)
+            start = None
         if start is None and op == "all_reduce":
             start = self._all_reduce_starter(comm, tensors[0].dtype, *fixed)
         return start or super().starter(op, comm, timeout, tensors, *fixed)
@@ -218,8 +209,8 @@ class MPIBackend(Backend):
         iallreduce, in_place, fromaddress, mop = comm.Iallreduce, self._in_place, self._fromaddress, self.reduce_ops[op]
         return lambda t: MPIPending(iallreduce(in_place, [fromaddress(t.data_ptr(), t.nbytes), dt], mop), t)
 
-    # Each builds start(*args) -> DONE, or an expired request after ``timeout``
-    # (None: the op or dtype has no compiled form here).
+    # Each builds start(*args) -> DONE, or the still-pending request after
+    # ``timeout`` (None: the op or dtype has no compiled form here).
     def _native_all_reduce(self, comm, timeout, t, op):
         dt = self.reduce_types.get(t.dtype)
         if dt is None:
@@ -228,7 +219,7 @@ class MPIBackend(Backend):
 
         def start(t):
             r = run(comm, t.data_ptr(), count, dt, mop, timeout)
-            return DONE if r is None else MPIExpired(r, t)
+            return DONE if r is None else MPIPending(r, t)
         return start
 
     def _native_broadcast(self, comm, timeout, t, root):
@@ -236,7 +227,7 @@ class MPIBackend(Backend):
 
         def start(t):
             r = run(comm, t.data_ptr(), count, dt, root, timeout)
-            return DONE if r is None else MPIExpired(r, t)
+            return DONE if r is None else MPIPending(r, t)
         return start
 
     def _native_reduce(self, comm, timeout, t, root, op):
@@ -247,7 +238,7 @@ class MPIBackend(Backend):
 
         def start(t):
             r = run(comm, t.data_ptr(), count, dt, mop, root, is_root, timeout)
-            return DONE if r is None else MPIExpired(r, t)
+            return DONE if r is None else MPIPending(r, t)
         return start
 
     def _native_all_gather_into_tensor(self, comm, timeout, output, input):
@@ -255,7 +246,7 @@ class MPIBackend(Backend):
 
         def start(out, inp):
             r = run(comm, inp.data_ptr(), out.data_ptr(), count, dt, timeout)
-            return DONE if r is None else MPIExpired(r, inp, out)
+            return DONE if r is None else MPIPending(r, inp, out)
         return start
 
     def _native_reduce_scatter_tensor(self, comm, timeout, output, input, op):
@@ -266,7 +257,7 @@ class MPIBackend(Backend):
 
         def start(out, inp):
             r = run(comm, inp.data_ptr(), out.data_ptr(), count, dt, mop, timeout)
-            return DONE if r is None else MPIExpired(r, inp, out)
+            return DONE if r is None else MPIPending(r, inp, out)
         return start
 
     def _native_gather(self, comm, timeout, output, input, root):
@@ -274,7 +265,7 @@ class MPIBackend(Backend):
 
         def start(out, inp):
             r = run(comm, inp.data_ptr(), None if out is None else out.data_ptr(), count, dt, root, timeout)
-            return DONE if r is None else MPIExpired(r, inp, out)
+            return DONE if r is None else MPIPending(r, inp, out)
         return start
 
     def _native_scatter(self, comm, timeout, output, input, root):
@@ -282,7 +273,7 @@ class MPIBackend(Backend):
 
         def start(out, inp):
             r = run(comm, None if inp is None else inp.data_ptr(), out.data_ptr(), count, dt, root, timeout)
-            return DONE if r is None else MPIExpired(r, inp, out)
+            return DONE if r is None else MPIPending(r, inp, out)
         return start
 
     def _native_all_to_all_single(self, comm, timeout, output, input):
@@ -294,7 +285,7 @@ class MPIBackend(Backend):
                 r = even(comm, inp.data_ptr(), out.data_ptr(), count, dt, timeout)
             else:
                 r = uneven(comm, inp.data_ptr(), in_counts, out.data_ptr(), out_counts, dt, timeout)
-            return DONE if r is None else MPIExpired(r, inp, out)
+            return DONE if r is None else MPIPending(r, inp, out)
         return start
 
     def _native_send(self, comm, timeout, t, peer, tag):
@@ -308,7 +299,7 @@ class MPIBackend(Backend):
 
         def start(t):
             r = run(comm, t.data_ptr(), count, dt, peer, tag, timeout)
-            return DONE if r is None else MPIExpiredP2P(r, t)
+            return DONE if r is None else MPIP2PPending(r, t)
         return start
 
     def broadcast(self, comm, tensor, root):

@@ -5,12 +5,14 @@
  *
  * Every op returns None once complete, or, when `timeout` seconds pass first,
  * the still-pending mpi4py Request (the caller abandons it; MPI may still
- * write the buffers, which the caller keeps alive). MPI errors raise
- * RuntimeError with MPI's message. */
+ * write the buffers, which the caller keeps alive). MPI errors raise the
+ * class given to set_error (mcrdl's CommError) naming the MPI call and MPI's
+ * message; counts outside C int raise OverflowError. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
 #include <mpi4py/mpi4py.h>
+#include <limits.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <time.h>
@@ -20,6 +22,7 @@
 #define FIRST_POLLS 200
 #define SPIN_S 1e-3
 static double busy_s = 0.0;
+static PyObject *error_class = NULL; /* set_error(); RuntimeError until then */
 
 static double now_s(void)
 {
@@ -64,29 +67,37 @@ static int wait_request(MPI_Request *req, double timeout)
     }
 }
 
-static PyObject *mpi_error(int rc)
+static PyObject *mpi_error(int rc, const char *call)
 {
     char msg[MPI_MAX_ERROR_STRING];
     int len = 0;
     if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS)
         len = 0;
     msg[len] = '\0';
-    PyErr_Format(PyExc_RuntimeError, "MPI error %d: %s", rc, msg);
+    PyErr_Format(error_class ? error_class : PyExc_RuntimeError,
+                 "%s on backend 'mpi' failed: MPI error %d: %s", call, rc, msg);
     return NULL;
 }
 
-/* The end of every op: `rc` from the start call, then the wait. */
-static PyObject *finish(int rc, MPI_Request req, double timeout)
+/* The end of every op: `rc` from starting `call`, then the wait. */
+static PyObject *finish(int rc, MPI_Request req, double timeout, const char *call)
 {
     if (rc != MPI_SUCCESS)
-        return mpi_error(rc);
+        return mpi_error(rc, call);
     Py_BEGIN_ALLOW_THREADS
     rc = wait_request(&req, timeout);
     Py_END_ALLOW_THREADS
     if (rc < 0)
-        return mpi_error(-rc);
-    if (rc == 0)
-        return PyMPIRequest_New(req);
+        return mpi_error(-rc, call);
+    if (rc == 0) {
+        PyObject *pending = PyMPIRequest_New(req);
+        if (pending == NULL) { /* MPI still owns the buffers: wait before failing */
+            Py_BEGIN_ALLOW_THREADS
+            MPI_Wait(&req, MPI_STATUS_IGNORE);
+            Py_END_ALLOW_THREADS
+        }
+        return pending;
+    }
     Py_RETURN_NONE;
 }
 
@@ -99,16 +110,21 @@ static int nargs(Py_ssize_t n, Py_ssize_t want, const char *name)
     return -1;
 }
 
-static void *address(PyObject *o)
+static int as_address(PyObject *o, void **out)
 {
-    return o == Py_None ? NULL : PyLong_AsVoidPtr(o);
+    *out = o == Py_None ? NULL : PyLong_AsVoidPtr(o);
+    return *out == NULL && PyErr_Occurred() ? -1 : 0;
 }
 
 static int as_int(PyObject *o, int *out)
 {
-    long v = PyLong_AsLong(o);
+    long long v = PyLong_AsLongLong(o);
     if (v == -1 && PyErr_Occurred())
         return -1;
+    if (v < INT_MIN || v > INT_MAX) {
+        PyErr_Format(PyExc_OverflowError, "%lld does not fit an MPI count (C int)", v);
+        return -1;
+    }
     *out = (int)v;
     return 0;
 }
@@ -117,8 +133,10 @@ static int as_int(PyObject *o, int *out)
     if (nargs(n, n_, name) < 0)                                                 \
         return NULL;                                                            \
     MPI_Comm *comm = PyMPIComm_Get(a[0]);                                       \
+    if (comm == NULL)                                                           \
+        return NULL;                                                            \
     double timeout = PyFloat_AsDouble(a[n_ - 1]);                               \
-    if (comm == NULL || PyErr_Occurred())                                       \
+    if (timeout == -1.0 && PyErr_Occurred())                                    \
         return NULL;                                                            \
     MPI_Request req = MPI_REQUEST_NULL;                                         \
     int rc
@@ -127,45 +145,57 @@ static int as_int(PyObject *o, int *out)
 static PyObject *allreduce(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("allreduce", 6);
+    void *buf;
     int count;
-    void *buf = address(a[1]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[3]);
-    MPI_Op *op = PyMPIOp_Get(a[4]);
-    if (as_int(a[2], &count) < 0 || !dt || !op || PyErr_Occurred())
+    MPI_Datatype *dt;
+    MPI_Op *op;
+    if (as_address(a[1], &buf) < 0 || as_int(a[2], &count) < 0
+        || !(dt = PyMPIDatatype_Get(a[3])) || !(op = PyMPIOp_Get(a[4])))
         return NULL;
     rc = MPI_Iallreduce(MPI_IN_PLACE, buf, count, *dt, *op, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Iallreduce");
 }
 
 /* bcast(comm, buf, count, datatype, root, timeout). */
 static PyObject *bcast(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("bcast", 6);
+    void *buf;
     int count, root;
-    void *buf = address(a[1]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[3]);
-    if (as_int(a[2], &count) < 0 || as_int(a[4], &root) < 0 || !dt || PyErr_Occurred())
+    MPI_Datatype *dt;
+    if (as_address(a[1], &buf) < 0 || as_int(a[2], &count) < 0
+        || !(dt = PyMPIDatatype_Get(a[3])) || as_int(a[4], &root) < 0)
         return NULL;
     rc = MPI_Ibcast(buf, count, *dt, root, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Ibcast");
 }
 
 /* reduce(comm, buf, count, datatype, op, root, is_root, timeout): in place on the root. */
 static PyObject *reduce(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("reduce", 8);
+    void *buf;
     int count, root, is_root;
-    void *buf = address(a[1]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[3]);
-    MPI_Op *op = PyMPIOp_Get(a[4]);
-    if (as_int(a[2], &count) < 0 || as_int(a[5], &root) < 0 || as_int(a[6], &is_root) < 0
-        || !dt || !op || PyErr_Occurred())
+    MPI_Datatype *dt;
+    MPI_Op *op;
+    if (as_address(a[1], &buf) < 0 || as_int(a[2], &count) < 0
+        || !(dt = PyMPIDatatype_Get(a[3])) || !(op = PyMPIOp_Get(a[4]))
+        || as_int(a[5], &root) < 0 || as_int(a[6], &is_root) < 0)
         return NULL;
     if (is_root)
         rc = MPI_Ireduce(MPI_IN_PLACE, buf, count, *dt, *op, root, *comm, &req);
     else
         rc = MPI_Ireduce(buf, NULL, count, *dt, *op, root, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Ireduce");
+}
+
+/* The send buffer, receive buffer, count and datatype of the ops below. */
+static int two_buffers(PyObject *const *a, void **sbuf, void **rbuf, int *count, MPI_Datatype **dt)
+{
+    if (as_address(a[1], sbuf) < 0 || as_address(a[2], rbuf) < 0 || as_int(a[3], count) < 0
+        || !(*dt = PyMPIDatatype_Get(a[4])))
+        return -1;
+    return 0;
 }
 
 /* Collectives with a send and a receive buffer and one count:
@@ -177,87 +207,92 @@ static PyObject *reduce(PyObject *self, PyObject *const *a, Py_ssize_t n)
 static PyObject *allgather(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("allgather", 6);
+    void *sbuf, *rbuf;
     int count;
-    void *sbuf = address(a[1]), *rbuf = address(a[2]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[4]);
-    if (as_int(a[3], &count) < 0 || !dt || PyErr_Occurred())
+    MPI_Datatype *dt;
+    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0)
         return NULL;
     rc = MPI_Iallgather(sbuf, count, *dt, rbuf, count, *dt, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Iallgather");
 }
 
 static PyObject *alltoall(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("alltoall", 6);
+    void *sbuf, *rbuf;
     int count;
-    void *sbuf = address(a[1]), *rbuf = address(a[2]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[4]);
-    if (as_int(a[3], &count) < 0 || !dt || PyErr_Occurred())
+    MPI_Datatype *dt;
+    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0)
         return NULL;
     rc = MPI_Ialltoall(sbuf, count, *dt, rbuf, count, *dt, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Ialltoall");
 }
 
 static PyObject *reduce_scatter_block(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("reduce_scatter_block", 7);
+    void *sbuf, *rbuf;
     int count;
-    void *sbuf = address(a[1]), *rbuf = address(a[2]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[4]);
-    MPI_Op *op = PyMPIOp_Get(a[5]);
-    if (as_int(a[3], &count) < 0 || !dt || !op || PyErr_Occurred())
+    MPI_Datatype *dt;
+    MPI_Op *op;
+    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0 || !(op = PyMPIOp_Get(a[5])))
         return NULL;
     rc = MPI_Ireduce_scatter_block(sbuf, rbuf, count, *dt, *op, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Ireduce_scatter_block");
 }
 
 static PyObject *gather(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("gather", 7);
+    void *sbuf, *rbuf;
     int count, root;
-    void *sbuf = address(a[1]), *rbuf = address(a[2]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[4]);
-    if (as_int(a[3], &count) < 0 || as_int(a[5], &root) < 0 || !dt || PyErr_Occurred())
+    MPI_Datatype *dt;
+    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0 || as_int(a[5], &root) < 0)
         return NULL;
     rc = MPI_Igather(sbuf, count, *dt, rbuf, count, *dt, root, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Igather");
 }
 
 static PyObject *scatter(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("scatter", 7);
+    void *sbuf, *rbuf;
     int count, root;
-    void *sbuf = address(a[1]), *rbuf = address(a[2]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[4]);
-    if (as_int(a[3], &count) < 0 || as_int(a[5], &root) < 0 || !dt || PyErr_Occurred())
+    MPI_Datatype *dt;
+    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0 || as_int(a[5], &root) < 0)
         return NULL;
     rc = MPI_Iscatter(sbuf, count, *dt, rbuf, count, *dt, root, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Iscatter");
 }
 
-/* counts[i] (and their prefix sums) from a sequence of `size` ints. */
+/* counts[i] and their prefix sums (displacements) from a sequence of `size`
+ * ints; OverflowError where a displacement leaves C int. */
 static int counts_of(PyObject *seq, int size, int *counts, int *displs)
 {
     PyObject *fast = PySequence_Fast(seq, "counts must be a sequence");
     if (fast == NULL)
         return -1;
-    if (PySequence_Fast_GET_SIZE(fast) != size) {
-        Py_DECREF(fast);
+    int ok = PySequence_Fast_GET_SIZE(fast) == size ? 0 : -1;
+    if (ok < 0)
         PyErr_Format(PyExc_ValueError, "expected %d counts", size);
-        return -1;
-    }
     PyObject **items = PySequence_Fast_ITEMS(fast);
-    int acc = 0;
-    for (int i = 0; i < size; i++) {
-        if (as_int(items[i], &counts[i]) < 0) {
-            Py_DECREF(fast);
-            return -1;
+    long long acc = 0;
+    for (int i = 0; ok == 0 && i < size; i++) {
+        if (as_int(items[i], &counts[i]) < 0 || counts[i] < 0 || acc > INT_MAX) {
+            if (PyErr_Occurred())
+                ;
+            else if (counts[i] < 0)
+                PyErr_Format(PyExc_ValueError, "count %d is negative", counts[i]);
+            else
+                PyErr_Format(PyExc_OverflowError, "displacement %lld does not fit an MPI count (C int)", acc);
+            ok = -1;
+            break;
         }
-        displs[i] = acc;
+        displs[i] = (int)acc;
         acc += counts[i];
     }
     Py_DECREF(fast);
-    return 0;
+    return ok;
 }
 
 /* alltoallv(comm, sendbuf, sendcounts, recvbuf, recvcounts, datatype, timeout).
@@ -266,11 +301,13 @@ static int counts_of(PyObject *seq, int size, int *counts, int *displs)
 static PyObject *alltoallv(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("alltoallv", 7);
+    void *sbuf, *rbuf;
     int size;
-    void *sbuf = address(a[1]), *rbuf = address(a[3]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[5]);
-    if (!dt || PyErr_Occurred() || MPI_Comm_size(*comm, &size) != MPI_SUCCESS)
+    MPI_Datatype *dt;
+    if (as_address(a[1], &sbuf) < 0 || as_address(a[3], &rbuf) < 0 || !(dt = PyMPIDatatype_Get(a[5])))
         return NULL;
+    if ((rc = MPI_Comm_size(*comm, &size)) != MPI_SUCCESS)
+        return mpi_error(rc, "MPI_Comm_size");
     int *arrays = malloc(4 * (size_t)size * sizeof(int));
     if (arrays == NULL)
         return PyErr_NoMemory();
@@ -280,37 +317,55 @@ static PyObject *alltoallv(PyObject *self, PyObject *const *a, Py_ssize_t n)
         return NULL;
     }
     rc = MPI_Ialltoallv(sbuf, sc, sd, *dt, rbuf, rcn, rd, *dt, *comm, &req);
-    PyObject *out = finish(rc, req, timeout);
-    if (out == Py_None || rc != MPI_SUCCESS)
+    PyObject *out = finish(rc, req, timeout, "MPI_Ialltoallv");
+    if (out == NULL || out == Py_None) /* failed or complete: MPI no longer reads them */
         free(arrays);
     return out;
 }
 
 /* send(comm, buf, count, datatype, peer, tag, timeout) and recv(...): one peer. */
+static int one_peer(PyObject *const *a, void **buf, int *count, MPI_Datatype **dt, int *peer, int *tag)
+{
+    if (as_address(a[1], buf) < 0 || as_int(a[2], count) < 0 || !(*dt = PyMPIDatatype_Get(a[3]))
+        || as_int(a[4], peer) < 0 || as_int(a[5], tag) < 0)
+        return -1;
+    return 0;
+}
+
 static PyObject *send(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("send", 7);
+    void *buf;
     int count, peer, tag;
-    void *buf = address(a[1]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[3]);
-    if (as_int(a[2], &count) < 0 || as_int(a[4], &peer) < 0 || as_int(a[5], &tag) < 0
-        || !dt || PyErr_Occurred())
+    MPI_Datatype *dt;
+    if (one_peer(a, &buf, &count, &dt, &peer, &tag) < 0)
         return NULL;
     rc = MPI_Isend(buf, count, *dt, peer, tag, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Isend");
 }
 
 static PyObject *recv(PyObject *self, PyObject *const *a, Py_ssize_t n)
 {
     ARGS("recv", 7);
+    void *buf;
     int count, peer, tag;
-    void *buf = address(a[1]);
-    MPI_Datatype *dt = PyMPIDatatype_Get(a[3]);
-    if (as_int(a[2], &count) < 0 || as_int(a[4], &peer) < 0 || as_int(a[5], &tag) < 0
-        || !dt || PyErr_Occurred())
+    MPI_Datatype *dt;
+    if (one_peer(a, &buf, &count, &dt, &peer, &tag) < 0)
         return NULL;
     rc = MPI_Irecv(buf, count, *dt, peer, tag, *comm, &req);
-    return finish(rc, req, timeout);
+    return finish(rc, req, timeout, "MPI_Irecv");
+}
+
+/* set_error(cls): the exception class MPI errors raise. */
+static PyObject *set_error(PyObject *self, PyObject *cls)
+{
+    if (!PyExceptionClass_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "set_error takes an exception class");
+        return NULL;
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(error_class, cls);
+    Py_RETURN_NONE;
 }
 
 /* set_busy(seconds): how long a wait polls before it yields (0: FIRST_POLLS polls). */
@@ -339,6 +394,7 @@ static PyMethodDef methods[] = {
     FAST(reduce_scatter_block), FAST(gather), FAST(scatter), FAST(alltoallv),
     FAST(send), FAST(recv),
     {"set_busy", set_busy, METH_O, NULL},
+    {"set_error", set_error, METH_O, NULL},
     {"library_version", library_version, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -20,6 +20,8 @@ import sysconfig
 import tempfile
 from typing import Optional
 
+from ..types import CommError
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_native.c")
 MODULE = "mcrdl_mpi_native"
 BUILD_TIMEOUT_S = 120
@@ -113,4 +115,5 @@ def _load() -> tuple:
         return None, f"cannot load {target} ({exc}): pure-Python path"
     if module.library_version() != mpi_version:
         return None, f"{cc} builds for another MPI than mpi4py's: pure-Python path"
+    module.set_error(CommError)
     return module, f"compiled ({target})"
