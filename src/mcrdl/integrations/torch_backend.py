@@ -61,6 +61,9 @@ _register_lock = threading.Lock()
 
 _REDUCE_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRODUCT,
                "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}
+#: torch's RedOpType -> mcrdl ReduceOp, the same table by enum value (a pybind
+#: enum's ``name`` costs microseconds per call).
+_REDUCE_KINDS = {getattr(dist.ReduceOp.RedOpType, n): op for n, op in _REDUCE_OPS.items()}
 
 
 class BackendError(RuntimeError):
@@ -183,6 +186,9 @@ def init_process_group(timeout=None, mcrdl_options: Optional[dict] = None, **tor
 def _reduce_op(op, what: str, dtype: torch.dtype) -> ReduceOp:
     """torch ``ReduceOp`` (or its RedOpType) -> mcrdl ReduceOp, or a clear refusal."""
     kind = getattr(op, "op", op)  # ReduceOp -> RedOpType
+    known = _REDUCE_KINDS.get(kind)
+    if known is not None:
+        return known
     name = getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
     if name in _REDUCE_OPS:
         return _REDUCE_OPS[name]
