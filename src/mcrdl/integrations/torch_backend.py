@@ -61,9 +61,9 @@ _register_lock = threading.Lock()
 
 _REDUCE_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRODUCT,
                "MIN": ReduceOp.MIN, "MAX": ReduceOp.MAX}
-#: torch's RedOpType -> mcrdl ReduceOp, the same table by enum value (a pybind
-#: enum's ``name`` costs microseconds per call).
-_REDUCE_KINDS = {getattr(dist.ReduceOp.RedOpType, n): op for n, op in _REDUCE_OPS.items()}
+#: int(torch's RedOpType) -> mcrdl ReduceOp: the same table keyed by the enum's
+#: value (a pybind enum's ``name``, and even its ``==``, costs a microsecond per call).
+_REDUCE_KINDS = {int(getattr(dist.ReduceOp.RedOpType, n)): op for n, op in _REDUCE_OPS.items()}
 
 
 class BackendError(RuntimeError):
@@ -186,7 +186,10 @@ def init_process_group(timeout=None, mcrdl_options: Optional[dict] = None, **tor
 def _reduce_op(op, what: str, dtype: torch.dtype) -> ReduceOp:
     """torch ``ReduceOp`` (or its RedOpType) -> mcrdl ReduceOp, or a clear refusal."""
     kind = getattr(op, "op", op)  # ReduceOp -> RedOpType
-    known = _REDUCE_KINDS.get(kind)
+    try:
+        known = _REDUCE_KINDS.get(int(kind))
+    except TypeError:
+        known = None
     if known is not None:
         return known
     name = getattr(kind, "name", None) or str(kind).rsplit(".", 1)[-1]
@@ -350,25 +353,26 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         return (self._coalescing is None and opts is not None
                 and getattr(opts, "asyncOp", True) is False)
 
-    def _run(self, op: str, opts, start: Callable[[bool], object], result) -> MCRDLTorchWork:
-        """``start(async_op)`` issues one mcrdl op."""
+    def _run(self, op: str, opts, start: Callable[[bool], object], result) -> Optional[MCRDLTorchWork]:
+        """``start(async_op)`` issues one mcrdl op. A blocking op returns no Work:
+        torch's API waits only on a Work it gets ("the backend has sync'ed")."""
         if self._sync(opts):
             start(False)
-            return MCRDLTorchWork(None, result, op)
+            return None
         work = start(True)
         if self._coalescing is not None and work is not None:
             self._coalescing.append(work)
         return MCRDLTorchWork(work, result, op)
 
     def _run_many(self, op: str, opts, starts: Sequence[Callable[[], object]],
-                  result) -> MCRDLTorchWork:
-        """Several async mcrdl ops behind one Work."""
+                  result) -> Optional[MCRDLTorchWork]:
+        """Several async mcrdl ops behind one Work (none when blocking, as ``_run``)."""
         works = [s() for s in starts]
         if self._coalescing is not None:
             self._coalescing.extend(w for w in works if w is not None)
         sync = self._sync(opts)
         work = api.combine(op, works, result=(), async_op=not sync, group=self._g)
-        return MCRDLTorchWork(None if sync else work, result, op)
+        return None if sync else MCRDLTorchWork(work, result, op)
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
