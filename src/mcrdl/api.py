@@ -1045,14 +1045,16 @@ def monitored_barrier(group: Optional[Group] = None, timeout: Union[None, timede
 def isend(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
           backend: Optional[str] = None) -> Optional[Work]:
     """Start sending ``tensor`` to global rank ``dst``."""
-    return _p2p("isend", tensor, dst, group, tag, backend, True)
+    return (_p2p_async_fast("isend", tensor, dst, group, tag, backend)
+            or _p2p("isend", tensor, dst, group, tag, backend, True))
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group] = None,
           tag: int = 0, backend: Optional[str] = None) -> Optional[Work]:
     """Start receiving into ``tensor`` from global rank ``src`` (None: from any
     rank of the group; ``Work.source_rank()`` names it)."""
-    return _p2p("irecv", tensor, src, group, tag, backend, True)
+    return (_p2p_async_fast("irecv", tensor, src, group, tag, backend)
+            or _p2p("irecv", tensor, src, group, tag, backend, True))
 
 
 def send(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
@@ -1072,7 +1074,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group]
     if work is None:
         return -1
     work.wait()
-    return work.source_rank()
+    return work.source_rank() if src is None else src
 
 
 def _p2p_fast(op: str, tensor, peer, group, tag, backend) -> bool:
@@ -1097,6 +1099,44 @@ def _p2p_fast_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, peer: i
     gpeer = _p2p_peer(op, g, tensor, peer, tag)
     name = rt.selector.choose(op, tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
     return name, rt.backends[name].starter(op, g.handles[name], g.timeout, (tensor,), gpeer, tag), gpeer
+
+
+def _p2p_async_fast(op: str, tensor, peer, group, tag, backend) -> Optional[Work]:
+    """isend/irecv with its checks and selection kept as a plan (as the blocking
+    fast path, but started with the backend's nonblocking op and tracked as any
+    async work, after outstanding work it conflicts with); None: take the
+    general path."""
+    rt = _runtime
+    if (rt is None or rt.debug or rt.engine.lost or type(peer) is not int or type(tag) is not int
+            or not (backend is None or type(backend) is str) or not isinstance(tensor, torch.Tensor)
+            or not tensor.is_cpu or not tensor.is_contiguous()):
+        return None
+    g = rt.world if group is None else group
+    if type(g) is not Group or g.owner is not rt or g.rank < 0:
+        return None
+    nbytes = tensor.nbytes
+    key = (op, nbytes, tensor.dtype, backend, peer, tag)
+    name, start, gpeer = g.starters.get(key) or _remember(
+        g, key, _p2p_async_plan(rt, g, op, tensor, peer, tag, backend))
+    reads, writes = ((tensor,), ()) if op == "isend" else ((), (tensor,))
+    engine = rt.engine
+    if engine.outstanding:
+        engine.order_before(reads, writes, op)
+    post = () if rt.logger is None else (rt.logger.begin(op, name, g, nbytes, True, gpeer, None),)
+    try:
+        pending = start(tensor)
+    except Exception as exc:
+        raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
+    return engine.run(op, name, pending, reads, writes, post, g, (tensor,), True)
+
+
+def _p2p_async_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, peer: int, tag: int,
+                    backend: Optional[str]):
+    gpeer = _p2p_peer(op, g, tensor, peer, tag)
+    name = rt.selector.choose(op, tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
+    b, h = rt.backends[name], g.handles[name]
+    method = b.send if op == "isend" else b.recv
+    return name, (lambda t: method(h, t, gpeer, tag)), gpeer
 
 
 def _p2p(op: str, tensor, peer, group, tag, backend, async_op):

@@ -156,7 +156,13 @@ for backend in backends:
                     for w in works:
                         w.wait()
                     check(torch.equal(dst, value(prv, numel, dtype)), "batch_isend_irecv", backend, dtype)
-                    count += 2
+                    dst = torch.empty(numel, dtype=dtype)
+                    received = mcrdl.irecv(dst, prv, group=group, tag=6, backend=backend)
+                    mcrdl.isend(src, nxt, group=group, tag=6, backend=backend).wait()
+                    received.wait()
+                    check(torch.equal(dst, value(prv, numel, dtype)), "isend/irecv", backend, dtype, numel)
+                    check({"isend", "irecv"} <= {k[0] for k in g.starters}, "no async p2p plan", backend)
+                    count += 3
         # barrier, sync and async
         if rank in ranks:
             mcrdl.barrier(group=group, backend=backend)

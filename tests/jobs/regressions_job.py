@@ -278,7 +278,36 @@ def released():
     check(not alive, "handles alive after destroy_process_group", alive)
 
 
-{"staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
+def p2p_order():
+    """isend/irecv (their fast path too) start after outstanding work that
+    touches their buffer: an isend of an irecv target sends what arrived, and an
+    irecv into a buffer an MPI isend still reads (4 MiB: rendezvous) waits."""
+    n = 1 << 20
+    if rank == 1:
+        x = torch.zeros(4)
+        w = mcrdl.irecv(x, 0, backend="mpi")
+        mcrdl.isend(x, 0, backend="gloo").wait()
+        w.wait()
+        big = torch.ones(n)
+        sent = mcrdl.isend(big, 0, backend="mpi")
+        mcrdl.irecv(big, 0, backend="gloo").wait()
+        sent.wait()
+        check(bool((big == 2).all()), "irecv target after the isend", big[:4])
+    elif rank == 0:
+        late_send(torch.ones(4), "mpi")
+        y = torch.zeros(4)
+        mcrdl.recv(y, 1, backend="gloo")
+        check(torch.equal(y, torch.ones(4)), "isend of an irecv target sent before it arrived", y)
+        twos = mcrdl.isend(torch.full((n,), 2.0), 1, backend="gloo")
+        time.sleep(0.3)
+        got = torch.zeros(n)
+        src = mcrdl.recv(got, 1, backend="mpi")  # blocking, with work outstanding: the general path
+        check(src == 1, "recv returned", src)  # (raised NotImplementedError for an MPI recv)
+        twos.wait()
+        check(bool((got == 1).all()), "an MPI isend's buffer overwritten by a later irecv", got[:4])
+
+
+{"p2p_order": p2p_order, "staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
  "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released}[case]()
