@@ -10,6 +10,7 @@ run() { echo "+ $*" | tee -a "$OUT/commands.txt"; "$@"; }
 : > "$OUT/commands.txt"
 run $BIN/mcrdl run -n 2 benchmarks/allreduce_latency.py --json $OUT/allreduce_latency.json | tee $OUT/allreduce_latency.txt
 run $BIN/mcrdl run -n 2 benchmarks/hotpath.py --json $OUT/hotpath.json | tee $OUT/hotpath.txt
+run $BIN/mcrdl run -n 2 benchmarks/layers.py --rounds 9 --json $OUT/layers.json | tee $OUT/layers.txt
 run $BIN/mcrdl run -n 2 benchmarks/selection_overhead.py --json $OUT/selection_overhead.json | tee $OUT/selection_overhead.txt
 run $BIN/mcrdl run -n 2 benchmarks/logger_overhead.py --json $OUT/logger_overhead.json | tee $OUT/logger_overhead.txt
 run $BIN/mcrdl run -n 2 benchmarks/cold_calls.py --rounds 7 --calls 30 --json $OUT/cold_calls.json | tee $OUT/cold_calls.txt

@@ -413,3 +413,18 @@ def test_tune_rejects_variants_that_are_not_backends(tmp_path, backends):
     assert proc.returncode != 0
     assert "are not live backends for CPU tensors" in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()
+
+
+# -- benchmarks/layers.py --------------------------------------------------------------------
+def test_layers_benchmark_gives_equal_results_and_records_every_cell(tmp_path):
+    """Each layer's outputs equal its reference's (mcrdl on gloo vs raw gloo,
+    torch.distributed on "mcrdl" vs the API) before anything is timed."""
+    out = tmp_path / "layers.json"
+    ok(mcrdl_cli("run", "-n", "2", ROOT / "benchmarks" / "layers.py", "--sizes", "4,1K", "--rounds", "1",
+                 "--iters", "10", "--json", out, timeout=300))
+    doc = json.loads(out.read_text())
+    cells = {(r["layer"], r["op"], r["bytes"]) for r in doc["results"]}
+    ops = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+           "send/recv"]
+    assert cells == {(layer, op, b) for layer in ("gloo", "torch") for op in ops for b in (4, 1024)}
+    assert all(r["torch_alone_us"] > 0 for r in doc["results"] if r["layer"] == "torch")
