@@ -389,12 +389,14 @@ def _skip(rt: Runtime, op: str, async_op: bool, result=()) -> Optional[Work]:
 # plan key (sizes or shapes, dtype, backend=), kept in ``Group.starters``. A
 # call right after compute pays for every line it runs in cache misses
 # (docs/results/cold_calls.md), so these paths matter more in a training step
-# than back to back.
+# than back to back. The ops with an async fast path (``async_ok``) start the
+# backend's nonblocking op from their plan instead, after outstanding work
+# their tensors conflict with, and track it as any async work (see _fast).
 def _fast_group(rt: Optional[Runtime], group: Optional[Group], async_op: bool,
-                backend: Optional[str]) -> Optional[Group]:
-    """The group a blocking op may take its fast path on, or None (then the
-    general path runs, and reports bad arguments or a dead peer)."""
-    if (async_op or rt is None or rt.debug or rt.engine.outstanding or rt.engine.lost
+                backend: Optional[str], async_ok: bool = False) -> Optional[Group]:
+    """The group an op may take its fast path on, or None (then the general
+    path runs, and reports bad arguments or a dead peer)."""
+    if (rt is None or rt.debug or rt.engine.lost or (rt.engine.outstanding if not async_op else not async_ok)
             or not (backend is None or type(backend) is str)):
         return None
     g = rt.world if group is None else group
@@ -413,6 +415,32 @@ def _remember(g: Group, key: tuple, plan):
         g.starters.clear()
     g.starters[key] = plan
     return plan
+
+
+def _starter(rt: Runtime, g: Group, name: str, op: str, tensors: tuple, fixed: tuple, async_op: bool):
+    """A plan's start function: the backend's blocking fast path, or its nonblocking op."""
+    be, h = rt.backends[name], g.handles[name]
+    return be.nonblocking(op, h, *fixed) if async_op else be.starter(op, h, g.timeout, tensors, *fixed)
+
+
+def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tuple, nbytes: int,
+          reads, writes, result, async_op: bool, peer: int = -1) -> Optional[Work]:
+    """Run a fast-path op: blocking (``_block``), or started and tracked as
+    async work after outstanding work it conflicts with; zero bytes send nothing."""
+    if not nbytes:
+        return _skip(rt, op, async_op, result)
+    if not async_op:
+        _block(rt, g, op, name, start, args, nbytes, reads, writes, peer)
+        return None
+    engine = rt.engine
+    if engine.outstanding:
+        engine.order_before(reads, writes, op)
+    post = () if rt.logger is None else (rt.logger.begin(op, name, g, nbytes, True, peer, None),)
+    try:
+        pending = start(*args)
+    except Exception as exc:
+        raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
+    return engine.run(op, name, pending, reads, writes, post, g, result, True)
 
 
 def _block(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tuple, nbytes: int,
@@ -451,13 +479,22 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
                 else:
                     _block(rt, g, "all_reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,))
             return None
+    if async_op and op is _SUM:
+        g = _fast_group(rt, group, True, backend, async_ok=True)
+        if (g is not None and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
+                and tensor.dtype is not torch.bool):
+            key = ("all_reduce", tensor.nbytes, tensor.dtype, backend, True)
+            name, start = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend, True))
+            return _fast(rt, g, "all_reduce", name, start, (tensor,), tensor.nbytes, (tensor,), (tensor,),
+                         (tensor,), True)
     return _all_reduce(tensor, op, group, async_op, backend)
 
 
-def _all_reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, backend: Optional[str]):
+def _all_reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, backend: Optional[str],
+                     async_op: bool = False):
     _check("all_reduce", tensor)
     name = rt.selector.choose("all_reduce", tensor.nbytes, g.size, "cpu", tensor.dtype, ReduceOp.SUM, backend)
-    return name, rt.backends[name].starter("all_reduce", g.handles[name], g.timeout, (tensor,), ReduceOp.SUM)
+    return name, _starter(rt, g, name, "all_reduce", (tensor,), (ReduceOp.SUM,), async_op)
 
 
 def _all_reduce(tensor, op, group, async_op, backend) -> Optional[Work]:
@@ -479,15 +516,15 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
               async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
     rt = _runtime
-    g = _fast_group(rt, group, async_op, backend)
+    g = _fast_group(rt, group, async_op, backend, async_ok=True)
     if (g is not None and type(src) is int and isinstance(tensor, torch.Tensor) and tensor.is_cpu
             and tensor.is_contiguous()):
         nbytes = tensor.nbytes
-        key = ("broadcast", nbytes, tensor.dtype, backend, src)
-        name, start, root = g.starters.get(key) or _remember(g, key, _broadcast_plan(rt, g, tensor, src, backend))
-        if nbytes:
-            _block(rt, g, "broadcast", name, start, (tensor,), nbytes, (tensor,), (tensor,), root)
-        return None
+        key = ("broadcast", nbytes, tensor.dtype, backend, src, async_op)
+        name, start, root = g.starters.get(key) or _remember(
+            g, key, _broadcast_plan(rt, g, tensor, src, backend, async_op))
+        return _fast(rt, g, "broadcast", name, start, (tensor,), nbytes, (tensor,), (tensor,), (tensor,),
+                     async_op, root)
     g = _group(group, "broadcast")
     _check("broadcast", tensor)
     if g.rank < 0:
@@ -502,11 +539,12 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
                    post=post, result=[tensor], invariant=[list(tensor.shape), src], peer=root)
 
 
-def _broadcast_plan(rt: Runtime, g: Group, tensor: torch.Tensor, src: int, backend: Optional[str]):
+def _broadcast_plan(rt: Runtime, g: Group, tensor: torch.Tensor, src: int, backend: Optional[str],
+                    async_op: bool):
     _check("broadcast", tensor)
     root = _root("broadcast", g, src)
     name = rt.selector.choose("broadcast", tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
-    return name, rt.backends[name].starter("broadcast", g.handles[name], g.timeout, (tensor,), root), root
+    return name, _starter(rt, g, name, "broadcast", (tensor,), (root,), async_op), root
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
@@ -552,18 +590,16 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (dim 0)."""
     op = "all_gather_into_tensor"
     rt = _runtime
-    g = _fast_group(rt, group, async_op, backend)
+    g = _fast_group(rt, group, async_op, backend, async_ok=True)
     if (g is not None and isinstance(input_tensor, torch.Tensor) and isinstance(output_tensor, torch.Tensor)
             and input_tensor.is_cpu and output_tensor.is_cpu and input_tensor.is_contiguous()
             and output_tensor.is_contiguous() and _disjoint(input_tensor, output_tensor)):
-        key = (op, input_tensor.shape, output_tensor.shape, input_tensor.dtype, output_tensor.dtype, backend)
+        key = (op, input_tensor.shape, output_tensor.shape, input_tensor.dtype, output_tensor.dtype, backend,
+               async_op)
         name, start = g.starters.get(key) or _remember(
-            g, key, _gather_plan(rt, g, op, output_tensor, input_tensor, backend))
-        nbytes = output_tensor.nbytes
-        if nbytes:
-            _block(rt, g, op, name, start, (output_tensor, input_tensor), nbytes, (input_tensor,),
-                   (output_tensor,))
-        return None
+            g, key, _gather_plan(rt, g, op, output_tensor, input_tensor, backend, async_op))
+        return _fast(rt, g, op, name, start, (output_tensor, input_tensor), output_tensor.nbytes,
+                     (input_tensor,), (output_tensor,), (output_tensor,), async_op)
     g = _group(group, "all_gather_into_tensor")
     _check(op, output_tensor, "output_tensor")
     _check(op, input_tensor, "input_tensor")
@@ -590,7 +626,7 @@ def _holds_blocks(op: str, g: Group, block: torch.Tensor, whole: torch.Tensor, w
 
 
 def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch.Tensor,
-                 backend: Optional[str]):
+                 backend: Optional[str], async_op: bool = False):
     """Fast-path plan of all_gather_into_tensor (``output`` holds ``g.size``
     inputs) or reduce_scatter_tensor SUM (``input`` holds ``g.size`` outputs)."""
     gather = op == "all_gather_into_tensor"
@@ -604,10 +640,7 @@ def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: to
     _holds_blocks(op, g, small, large, "output_tensor" if gather else "input")
     name = rt.selector.choose(op, large.nbytes, g.size, "cpu", small.dtype, None if gather else ReduceOp.SUM,
                               backend)
-    be, h = rt.backends[name], g.handles[name]
-    if gather:
-        return name, be.starter(op, h, g.timeout, (output, input))
-    return name, be.starter(op, h, g.timeout, (output, input), ReduceOp.SUM)
+    return name, _starter(rt, g, name, op, (output, input), () if gather else (ReduceOp.SUM,), async_op)
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[Group] = None,
@@ -640,16 +673,15 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     """Reduce ``input`` across ranks and leave block ``rank`` of it in ``output``."""
     name = "reduce_scatter_tensor"
     rt = _runtime
-    g = _fast_group(rt, group, async_op, backend)
+    g = _fast_group(rt, group, async_op, backend, async_ok=True)
     if (g is not None and op is _SUM and isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
             and input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()
             and input.dtype is not torch.bool and _disjoint(input, output)):  # bool: via uint8
-        key = (name, input.shape, output.shape, input.dtype, output.dtype, backend)
-        chosen, start = g.starters.get(key) or _remember(g, key, _gather_plan(rt, g, name, output, input, backend))
-        nbytes = input.nbytes
-        if nbytes:
-            _block(rt, g, name, chosen, start, (output, input), nbytes, (input,), (output,))
-        return None
+        key = (name, input.shape, output.shape, input.dtype, output.dtype, backend, async_op)
+        chosen, start = g.starters.get(key) or _remember(
+            g, key, _gather_plan(rt, g, name, output, input, backend, async_op))
+        return _fast(rt, g, name, chosen, start, (output, input), input.nbytes, (input,), (output,), (output,),
+                     async_op)
     g = _group(group, "reduce_scatter_tensor")
     _check(name, output, "output")
     _check(name, input, "input")

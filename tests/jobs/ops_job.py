@@ -106,9 +106,15 @@ for backend in backends:
                     finish(mcrdl.scatter(out, list(whole.unbind(0)) if rank == root else None, src=root, **kw),
                            async_op)
                     check(torch.equal(out, value(100 + grank, numel, dtype)), tag, "scatter from views", out)
-                    if not async_op and numel:
+                    if numel:
                         g = group or mcrdl.api._runtime.world
-                        check({"gather", "scatter"} <= {k[0] for k in g.starters}, tag, "no fast-path plan")
+                        if not async_op:
+                            check({"gather", "scatter"} <= {k[0] for k in g.starters}, tag, "no fast-path plan")
+                        else:  # async plans: keys end with True
+                            planned = {k[0] for k in g.starters if k[-1] is True}
+                            expected = {"broadcast", "all_gather_into_tensor"} | (
+                                set() if dtype is torch.bool else {"all_reduce", "reduce_scatter_tensor"})
+                            check(expected <= planned, tag, "no async fast-path plan", planned)
                     # all_to_all_single, even and uneven (rank r sends j+r+1 rows to peer j... bounded)
                     inp = value(rank, n * numel, dtype)
                     out = torch.empty(n * numel, dtype=dtype)

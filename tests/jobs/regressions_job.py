@@ -307,7 +307,41 @@ def p2p_order():
         check(bool((got == 1).all()), "an MPI isend's buffer overwritten by a later irecv", got[:4])
 
 
-{"p2p_order": p2p_order, "staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
+def collective_order():
+    """Async collectives (their fast path too) start after outstanding work on
+    another backend that touches their tensors: an all_reduce of an irecv
+    target uses what arrived, an all_gather of it the reduced values, and a broadcast into a buffer an MPI
+    isend still reads (4 MiB: rendezvous) waits for it."""
+    n = 1 << 20
+    x = torch.zeros(4)
+    w = mcrdl.irecv(x, 0, backend="mpi") if rank == 1 else late_send(torch.ones(4), "mpi")
+    reduced = mcrdl.all_reduce(x, backend="gloo", async_op=True)
+    gathered = torch.zeros(4 * world)
+    gather = mcrdl.all_gather_into_tensor(gathered, x, backend="gloo", async_op=True)
+    reduced.wait()
+    gather.wait()
+    if w:
+        w.wait()
+    check(torch.equal(x, torch.ones(4)), "all_reduce of an irecv target", x)
+    check(torch.equal(gathered, torch.ones(4 * world)), "all_gather of an all_reduce target", gathered)
+    if rank == 1:
+        big = torch.ones(n)
+        sent = mcrdl.isend(big, 0, backend="mpi")
+        mcrdl.broadcast(big, 0, backend="gloo", async_op=True).wait()
+        sent.wait()
+        check(bool((big == 2).all()), "broadcast target after the isend", big[:4])
+    elif rank == 0:
+        twos = mcrdl.broadcast(torch.full((n,), 2.0), 0, backend="gloo", async_op=True)
+        time.sleep(0.3)
+        got = torch.zeros(n)
+        mcrdl.recv(got, 1, backend="mpi")
+        twos.wait()
+        check(bool((got == 1).all()), "an MPI isend's buffer overwritten by a later broadcast", got[:4])
+    else:
+        mcrdl.broadcast(torch.zeros(n), 0, backend="gloo", async_op=True).wait()
+
+
+{"collective_order": collective_order, "p2p_order": p2p_order, "staging": staging, "aliased": aliased, "future": future, "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
  "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released}[case]()

@@ -82,7 +82,12 @@ class Backend:
         *fixed)``. ``tensors``: the plan's tensors (``None`` where a rank has
         none); later calls pass contiguous CPU tensors of the same shapes and
         dtypes. A backend may finish the op inside ``start`` (within ``timeout``
-        s) and return a completed Pending. Optional: the default just calls ``op``."""
+        s) and return a completed Pending. Optional: the default is :meth:`nonblocking`."""
+        return self.nonblocking(op, h, *fixed)
+
+    def nonblocking(self, op: str, h, *fixed) -> Callable[..., Pending]:
+        """``op`` for the async fast paths: ``start(*args)`` calls ``self.<op>(h,
+        *args, *fixed)``, whose request the engine tracks like any async work."""
         method = getattr(self, op)
         return lambda *args: method(h, *args, *fixed)
 
