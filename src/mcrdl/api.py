@@ -28,6 +28,7 @@ _runtime: Optional[Runtime] = None
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                     torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
 _SUM = ReduceOp.SUM
+_SENDS = ("send", "isend")
 MAX_TAG = 2**31 - 1  # a C int (MPI's own bound, MPI_TAG_UB, may be lower)
 
 
@@ -424,10 +425,11 @@ def _starter(rt: Runtime, g: Group, name: str, op: str, tensors: tuple, fixed: t
 
 
 def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tuple, nbytes: int,
-          reads, writes, result, async_op: bool, peer: int = -1) -> Optional[Work]:
+          reads, writes, result, async_op: bool, peer: int = -1, skip_empty: bool = True) -> Optional[Work]:
     """Run a fast-path op: blocking (``_block``), or started and tracked as
-    async work after outstanding work it conflicts with; zero bytes send nothing."""
-    if not nbytes:
+    async work after outstanding work it conflicts with. ``skip_empty``: a
+    zero-byte op (a collective: same on every rank) sends nothing."""
+    if not nbytes and skip_empty:
         return _skip(rt, op, async_op, result)
     if not async_op:
         _block(rt, g, op, name, start, args, nbytes, reads, writes, peer)
@@ -1077,7 +1079,7 @@ def monitored_barrier(group: Optional[Group] = None, timeout: Union[None, timede
 def isend(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
           backend: Optional[str] = None) -> Optional[Work]:
     """Start sending ``tensor`` to global rank ``dst``."""
-    return (_p2p_async_fast("isend", tensor, dst, group, tag, backend)
+    return (_p2p_fast("isend", tensor, dst, group, tag, backend, True)
             or _p2p("isend", tensor, dst, group, tag, backend, True))
 
 
@@ -1085,7 +1087,7 @@ def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group
           tag: int = 0, backend: Optional[str] = None) -> Optional[Work]:
     """Start receiving into ``tensor`` from global rank ``src`` (None: from any
     rank of the group; ``Work.source_rank()`` names it)."""
-    return (_p2p_async_fast("irecv", tensor, src, group, tag, backend)
+    return (_p2p_fast("irecv", tensor, src, group, tag, backend, True)
             or _p2p("irecv", tensor, src, group, tag, backend, True))
 
 
@@ -1109,66 +1111,30 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group]
     return work.source_rank() if src is None else src
 
 
-def _p2p_fast(op: str, tensor, peer, group, tag, backend) -> bool:
-    """The fast path of a blocking send or recv (see "fast paths"); False when
-    the call must take the general path."""
+def _p2p_fast(op: str, tensor, peer, group, tag, backend, async_op: bool = False):
+    """The fast path (see "fast paths") of send/recv (True once done) and
+    isend/irecv (their Work); None when the call must take the general path."""
     rt = _runtime
-    g = _fast_group(rt, group, False, backend)
+    g = _fast_group(rt, group, async_op, backend, async_ok=True)
     if (g is None or type(peer) is not int or type(tag) is not int
             or not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or not tensor.is_contiguous()):
-        return False
+        return None
     nbytes = tensor.nbytes
     key = (op, nbytes, tensor.dtype, backend, peer, tag)
     name, start, gpeer = g.starters.get(key) or _remember(
-        g, key, _p2p_fast_plan(rt, g, op, tensor, peer, tag, backend))
-    reads, writes = ((tensor,), ()) if op == "send" else ((), (tensor,))
-    _block(rt, g, op, name, start, (tensor,), nbytes, reads, writes, gpeer)
-    return True
+        g, key, _p2p_fast_plan(rt, g, op, tensor, peer, tag, backend, async_op))
+    reads, writes = ((tensor,), ()) if op in _SENDS else ((), (tensor,))
+    work = _fast(rt, g, op, name, start, (tensor,), nbytes, reads, writes, (tensor,), async_op, gpeer,
+                 skip_empty=False)
+    return work if async_op else True
 
 
 def _p2p_fast_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, peer: int, tag: int,
-                   backend: Optional[str]):
+                   backend: Optional[str], async_op: bool):
     gpeer = _p2p_peer(op, g, tensor, peer, tag)
     name = rt.selector.choose(op, tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
-    return name, rt.backends[name].starter(op, g.handles[name], g.timeout, (tensor,), gpeer, tag), gpeer
-
-
-def _p2p_async_fast(op: str, tensor, peer, group, tag, backend) -> Optional[Work]:
-    """isend/irecv with its checks and selection kept as a plan (as the blocking
-    fast path, but started with the backend's nonblocking op and tracked as any
-    async work, after outstanding work it conflicts with); None: take the
-    general path."""
-    rt = _runtime
-    if (rt is None or rt.debug or rt.engine.lost or type(peer) is not int or type(tag) is not int
-            or not (backend is None or type(backend) is str) or not isinstance(tensor, torch.Tensor)
-            or not tensor.is_cpu or not tensor.is_contiguous()):
-        return None
-    g = rt.world if group is None else group
-    if type(g) is not Group or g.owner is not rt or g.rank < 0:
-        return None
-    nbytes = tensor.nbytes
-    key = (op, nbytes, tensor.dtype, backend, peer, tag)
-    name, start, gpeer = g.starters.get(key) or _remember(
-        g, key, _p2p_async_plan(rt, g, op, tensor, peer, tag, backend))
-    reads, writes = ((tensor,), ()) if op == "isend" else ((), (tensor,))
-    engine = rt.engine
-    if engine.outstanding:
-        engine.order_before(reads, writes, op)
-    post = () if rt.logger is None else (rt.logger.begin(op, name, g, nbytes, True, gpeer, None),)
-    try:
-        pending = start(tensor)
-    except Exception as exc:
-        raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
-    return engine.run(op, name, pending, reads, writes, post, g, (tensor,), True)
-
-
-def _p2p_async_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, peer: int, tag: int,
-                    backend: Optional[str]):
-    gpeer = _p2p_peer(op, g, tensor, peer, tag)
-    name = rt.selector.choose(op, tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
-    b, h = rt.backends[name], g.handles[name]
-    method = b.send if op == "isend" else b.recv
-    return name, (lambda t: method(h, t, gpeer, tag)), gpeer
+    method = "send" if op in _SENDS else "recv"
+    return name, _starter(rt, g, name, method, (tensor,), (gpeer, tag), async_op), gpeer
 
 
 def _p2p(op: str, tensor, peer, group, tag, backend, async_op):
@@ -1179,7 +1145,7 @@ def _p2p(op: str, tensor, peer, group, tag, backend, async_op):
 def _p2p_peer(op: str, g: Group, tensor, peer, tag) -> int:
     """Check one send/recv by a member of ``g``; the peer's group rank."""
     _check(op, tensor)
-    what = "dst" if op in ("send", "isend") else "src"
+    what = "dst" if op in _SENDS else "src"
     if peer is None:
         if what == "dst":
             raise ValueError(f"{op}: dst is required")
@@ -1204,7 +1170,7 @@ def _p2p_plan(op: str, tensor, peer, group, tag, backend, precheck: bool = False
     if precheck:
         _runtime.selector.choose(op, _nbytes(tensor), g.size, tensor.device.type, tensor.dtype,
                                  None, backend)
-    sending = op in ("send", "isend")
+    sending = op in _SENDS
     reads, writes = ((tensor,), ()) if sending else ((), (tensor,))
 
     def start(async_op: bool):
