@@ -39,7 +39,7 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
                        tuning_table: Union[None, str, dict, TuningTable] = None,
                        debug: Optional[bool] = None, comms_log: Optional[bool] = None,
                        store=None, rank: Optional[int] = None,
-                       world_size: Optional[int] = None) -> None:
+                       world_size: Optional[int] = None, autotune: Optional[bool] = None) -> None:
     """Start every requested backend that can start in this job.
 
     Identity and rendezvous: from MPI when an MPI launcher started the job, else
@@ -55,13 +55,15 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
     ``tuning_table``: path, dict or table (or ``MCRDL_TUNING_TABLE``).
     ``debug``: check collective order across ranks (or ``MCRDL_DEBUG=1``).
     ``comms_log``: record every op (or ``MCRDL_COMMS_LOG=1``; see
-    :mod:`mcrdl.features.logger`).
+    :mod:`mcrdl.features.logger`). ``autotune``: learn the backend of each
+    collective from the job's own first calls (or ``MCRDL_AUTOTUNE=1``; see
+    :mod:`mcrdl.autotune`).
     """
     global _runtime
     if _runtime is not None:
         raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
-                       comms_log, store, rank, world_size)
+                       comms_log, store, rank, world_size, autotune)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
     try:
         _check_same_selection(_runtime)
@@ -76,6 +78,7 @@ def _check_same_selection(rt: Runtime) -> None:
     table = rt.selector.table
     config = {"live": sorted(rt.backends), "default": rt.default_backend,
               "static": rt.selector.static, "debug": rt.debug,
+              "autotune": None if rt.autotune is None else [rt.autotune.calls, rt.autotune.warmup],
               "table": None if table is None else json.dumps(table.to_dict(), sort_keys=True)}
     mine = json.dumps(config, sort_keys=True)
     digest = hashlib.sha256(mine.encode()).hexdigest()
@@ -84,7 +87,7 @@ def _check_same_selection(rt: Runtime) -> None:
         odd = [r for r, d in enumerate(digests) if d != digests[0]]
         raise RuntimeError(f"init_process_group: ranks {odd} select backends differently from "
                            f"rank 0 (live backends, default backend, op_backends / "
-                           f"MCRDL_OP_BACKENDS, tuning table or debug differ); rank "
+                           f"MCRDL_OP_BACKENDS, tuning table, debug or autotune differ); rank "
                            f"{rt.rank} has {mine[:300]}")
 
 
@@ -95,6 +98,9 @@ def destroy_process_group() -> None:
     if _runtime is not None:
         if _runtime.logger is not None:
             _runtime.logger.close()
+        tuner = _runtime.autotune
+        if tuner is not None and tuner.save_path and _runtime.rank == 0:
+            tuner.save(tuner.save_path, _runtime.world_size)
         rt, _runtime = _runtime, None
         rt.shutdown()
 
@@ -208,7 +214,26 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
         nbytes, device, dtype = int(tensor_or_nbytes), "cpu", torch.float32
     size = group_size or g.size
     name, why = rt.selector.explain(op, nbytes, size, device, dtype, explicit=backend)
+    tuner = rt.autotune
+    if tuner is not None and tuner.explores(op, backend) and group_size in (None, g.size):
+        learned = tuner.describe(g, op, nbytes, device)
+        won = tuner.frozen(g, op, nbytes, device, name)
+        if won is not None and rt.selector.why_not(won, op, device, dtype) is None:
+            name, why = won, learned
+        else:
+            why = f"{why}; {learned}"
     return f"{op} of {nbytes} B, group size {size}: {name} ({why})"
+
+
+def autotune_report() -> Optional[dict]:
+    """What in-situ autotune tried, measured and chose on this rank (None when
+    it is off): ``buckets`` (one row per group, op class and size bucket; a
+    ``winner`` of None is still exploring) and ``exploration_excess_s`` (this
+    rank's timed calls on losing backends, beyond the winner's median)."""
+    tuner = _rt().autotune
+    if tuner is None:
+        return None
+    return {"buckets": tuner.report(), "exploration_excess_s": tuner.excess_s}
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -336,7 +361,8 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
     sel = rt.selector
     device = "cpu" if ref.is_cpu else ref.device.type
     name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
-    if agree and sel.needs_agreement(op, g.size, explicit):
+    tuner = rt.autotune if rt.autotune is not None and rt.autotune.explores(op, explicit) else None
+    if agree and (tuner is not None or sel.needs_agreement(op, g.size, explicit)):
         if rt.debug:
             _fingerprint(rt, g, op, None, dtype=str(ref.dtype), device=device, shape=invariant,
                          explicit=explicit)
@@ -347,16 +373,27 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
                      explicit=explicit)
     if nbytes == 0 and skip_empty:
         return _skip(rt, op, async_op, result)
+    timing = None  # the autotune bucket this call is timed for
+    if tuner is not None:
+        picked, timing = tuner.pick(rt, g, op, nbytes, device,
+                                    lambda n: sel.why_not(n, op, device, ref.dtype, reduce_op) is None)
+        name = picked or name
+        if async_op:  # completion is seen only at the user's wait: not timed
+            timing = None
     engine = rt.engine
     if rt.logger is not None:
         elem = ref.element_size()
         post = [rt.logger.begin(op, name, g, nbytes, async_op, peer,
                                 None if counts is None else [c * elem for c in counts]), *post]
+    began = 0.0 if timing is None else time.perf_counter()
     try:
         pending = start(rt.backends[name], g.handles[name])
     except Exception as exc:
         raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
-    return engine.run(op, name, pending, reads, writes, post, g, result, async_op)
+    work = engine.run(op, name, pending, reads, writes, post, g, result, async_op)
+    if timing is not None:
+        tuner.record(timing, name, time.perf_counter() - began)
+    return work
 
 
 def combine(op: str, works: Sequence[Optional[Work]], post: Sequence[Callable[[], None]] = (),
@@ -411,11 +448,29 @@ def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _remember(g: Group, key: tuple, plan):
-    """Keep ``plan`` as ``g``'s plan for ``key`` (at most 4096 per group)."""
+    """Keep ``plan`` as ``g``'s plan for ``key`` (at most 4096 per group); None
+    (no plan while autotune explores) is not kept."""
+    if plan is None:
+        return None
     if len(g.starters) >= 4096:
         g.starters.clear()
     g.starters[key] = plan
     return plan
+
+
+def _planned(rt: Runtime, g: Group, op: str, nbytes: int, dtype: torch.dtype, reduce_op,
+             backend: Optional[str]) -> Optional[str]:
+    """The backend of a fast-path plan: the selector's, or autotune's frozen
+    choice; None while autotune explores the op's bucket (the general path
+    runs those calls, on every rank alike, and no plan is kept)."""
+    name = rt.selector.choose(op, nbytes, g.size, "cpu", dtype, reduce_op, backend)
+    tuner = rt.autotune
+    if tuner is None or backend is not None:
+        return name
+    won = tuner.frozen(g, op, nbytes, "cpu", name)
+    if won is None or won == name or rt.selector.why_not(won, op, "cpu", dtype, reduce_op) is None:
+        return won
+    return name
 
 
 def _starter(rt: Runtime, g: Group, name: str, op: str, tensors: tuple, fixed: tuple, async_op: bool):
@@ -473,30 +528,32 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
             nbytes = tensor.nbytes
             key = (nbytes, tensor.dtype, backend)
             plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend))
-            if nbytes:
-                if rt.logger is None:
-                    pending = plan[1](tensor)
-                    if pending is not DONE:
-                        rt.engine.block("all_reduce", plan[0], pending, g, (tensor,))
-                else:
-                    _block(rt, g, "all_reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,))
-            return None
+            if plan is not None:
+                if nbytes:
+                    if rt.logger is None:
+                        pending = plan[1](tensor)
+                        if pending is not DONE:
+                            rt.engine.block("all_reduce", plan[0], pending, g, (tensor,))
+                    else:
+                        _block(rt, g, "all_reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,))
+                return None
     if async_op and op is _SUM:
         g = _fast_group(rt, group, True, backend, async_ok=True)
         if (g is not None and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
                 and tensor.dtype is not torch.bool):
             key = ("all_reduce", tensor.nbytes, tensor.dtype, backend, True)
-            name, start = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend, True))
-            return _fast(rt, g, "all_reduce", name, start, (tensor,), tensor.nbytes, (tensor,), (tensor,),
-                         (tensor,), True)
+            plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend, True))
+            if plan is not None:
+                return _fast(rt, g, "all_reduce", plan[0], plan[1], (tensor,), tensor.nbytes, (tensor,),
+                             (tensor,), (tensor,), True)
     return _all_reduce(tensor, op, group, async_op, backend)
 
 
 def _all_reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, backend: Optional[str],
                      async_op: bool = False):
     _check("all_reduce", tensor)
-    name = rt.selector.choose("all_reduce", tensor.nbytes, g.size, "cpu", tensor.dtype, ReduceOp.SUM, backend)
-    return name, _starter(rt, g, name, "all_reduce", (tensor,), (ReduceOp.SUM,), async_op)
+    name = _planned(rt, g, "all_reduce", tensor.nbytes, tensor.dtype, ReduceOp.SUM, backend)
+    return name and (name, _starter(rt, g, name, "all_reduce", (tensor,), (ReduceOp.SUM,), async_op))
 
 
 def _all_reduce(tensor, op, group, async_op, backend) -> Optional[Work]:
@@ -523,10 +580,11 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
             and tensor.is_contiguous()):
         nbytes = tensor.nbytes
         key = ("broadcast", nbytes, tensor.dtype, backend, src, async_op)
-        name, start, root = g.starters.get(key) or _remember(
-            g, key, _broadcast_plan(rt, g, tensor, src, backend, async_op))
-        return _fast(rt, g, "broadcast", name, start, (tensor,), nbytes, (tensor,), (tensor,), (tensor,),
-                     async_op, root)
+        plan = g.starters.get(key) or _remember(g, key, _broadcast_plan(rt, g, tensor, src, backend, async_op))
+        if plan is not None:
+            name, start, root = plan
+            return _fast(rt, g, "broadcast", name, start, (tensor,), nbytes, (tensor,), (tensor,), (tensor,),
+                         async_op, root)
     g = _group(group, "broadcast")
     _check("broadcast", tensor)
     if g.rank < 0:
@@ -545,8 +603,8 @@ def _broadcast_plan(rt: Runtime, g: Group, tensor: torch.Tensor, src: int, backe
                     async_op: bool):
     _check("broadcast", tensor)
     root = _root("broadcast", g, src)
-    name = rt.selector.choose("broadcast", tensor.nbytes, g.size, "cpu", tensor.dtype, None, backend)
-    return name, _starter(rt, g, name, "broadcast", (tensor,), (root,), async_op), root
+    name = _planned(rt, g, "broadcast", tensor.nbytes, tensor.dtype, None, backend)
+    return name and (name, _starter(rt, g, name, "broadcast", (tensor,), (root,), async_op), root)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
@@ -558,10 +616,11 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
             and tensor.is_cpu and tensor.is_contiguous() and tensor.dtype is not torch.bool):
         nbytes = tensor.nbytes
         key = ("reduce", nbytes, tensor.dtype, backend, dst)
-        name, start, root = g.starters.get(key) or _remember(g, key, _reduce_plan(rt, g, tensor, dst, backend))
-        if nbytes:
-            _block(rt, g, "reduce", name, start, (tensor,), nbytes, (tensor,), (tensor,), root)
-        return None
+        plan = g.starters.get(key) or _remember(g, key, _reduce_plan(rt, g, tensor, dst, backend))
+        if plan is not None:
+            if nbytes:
+                _block(rt, g, "reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,), plan[2])
+            return None
     g = _group(group, "reduce")
     _check("reduce", tensor)
     if g.rank < 0:
@@ -581,9 +640,9 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
 def _reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, dst: int, backend: Optional[str]):
     _check("reduce", tensor)
     root = _root("reduce", g, dst, "dst")
-    name = rt.selector.choose("reduce", tensor.nbytes, g.size, "cpu", tensor.dtype, ReduceOp.SUM, backend)
-    return name, rt.backends[name].starter("reduce", g.handles[name], g.timeout, (tensor,), root,
-                                           ReduceOp.SUM), root
+    name = _planned(rt, g, "reduce", tensor.nbytes, tensor.dtype, ReduceOp.SUM, backend)
+    return name and (name, rt.backends[name].starter("reduce", g.handles[name], g.timeout, (tensor,), root,
+                                                     ReduceOp.SUM), root)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -598,10 +657,11 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
             and output_tensor.is_contiguous() and _disjoint(input_tensor, output_tensor)):
         key = (op, input_tensor.shape, output_tensor.shape, input_tensor.dtype, output_tensor.dtype, backend,
                async_op)
-        name, start = g.starters.get(key) or _remember(
+        plan = g.starters.get(key) or _remember(
             g, key, _gather_plan(rt, g, op, output_tensor, input_tensor, backend, async_op))
-        return _fast(rt, g, op, name, start, (output_tensor, input_tensor), output_tensor.nbytes,
-                     (input_tensor,), (output_tensor,), (output_tensor,), async_op)
+        if plan is not None:
+            return _fast(rt, g, op, plan[0], plan[1], (output_tensor, input_tensor), output_tensor.nbytes,
+                         (input_tensor,), (output_tensor,), (output_tensor,), async_op)
     g = _group(group, "all_gather_into_tensor")
     _check(op, output_tensor, "output_tensor")
     _check(op, input_tensor, "input_tensor")
@@ -640,9 +700,8 @@ def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: to
         _check(op, output, "output")
         _check(op, input, "input")
     _holds_blocks(op, g, small, large, "output_tensor" if gather else "input")
-    name = rt.selector.choose(op, large.nbytes, g.size, "cpu", small.dtype, None if gather else ReduceOp.SUM,
-                              backend)
-    return name, _starter(rt, g, name, op, (output, input), () if gather else (ReduceOp.SUM,), async_op)
+    name = _planned(rt, g, op, large.nbytes, small.dtype, None if gather else ReduceOp.SUM, backend)
+    return name and (name, _starter(rt, g, name, op, (output, input), () if gather else (ReduceOp.SUM,), async_op))
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[Group] = None,
@@ -680,10 +739,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
             and input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()
             and input.dtype is not torch.bool and _disjoint(input, output)):  # bool: via uint8
         key = (name, input.shape, output.shape, input.dtype, output.dtype, backend, async_op)
-        chosen, start = g.starters.get(key) or _remember(
-            g, key, _gather_plan(rt, g, name, output, input, backend, async_op))
-        return _fast(rt, g, name, chosen, start, (output, input), input.nbytes, (input,), (output,), (output,),
-                     async_op)
+        plan = g.starters.get(key) or _remember(g, key, _gather_plan(rt, g, name, output, input, backend, async_op))
+        if plan is not None:
+            return _fast(rt, g, name, plan[0], plan[1], (output, input), input.nbytes, (input,), (output,),
+                         (output,), async_op)
     g = _group(group, "reduce_scatter_tensor")
     _check(name, output, "output")
     _check(name, input, "input")
@@ -799,8 +858,10 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
             and tensor.is_cpu and tensor.is_contiguous()):
         return False
     key = (op, tensor.shape, tensor.dtype, backend, global_root)
-    name, start, root = g.starters.get(key) or _remember(
-        g, key, _rooted_plan(rt, g, op, tensor, global_root, backend))
+    plan = g.starters.get(key) or _remember(g, key, _rooted_plan(rt, g, op, tensor, global_root, backend))
+    if plan is None:
+        return False
+    name, start, root = plan
     whole, blocks = None, ()
     if g.rank == root:
         whole = _span(g, op, parts, tensor)
@@ -823,9 +884,9 @@ def _rooted_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, global_ro
     """Fast-path plan of gather or scatter: (backend, start(output, input), group root)."""
     _check(op, tensor)
     root = _root(op, g, global_root, "dst" if op == "gather" else "src")
-    name = rt.selector.choose(op, tensor.nbytes * g.size, g.size, "cpu", tensor.dtype, None, backend)
+    name = _planned(rt, g, op, tensor.nbytes * g.size, tensor.dtype, None, backend)
     tensors = (None, tensor) if op == "gather" else (tensor, None)
-    return name, rt.backends[name].starter(op, g.handles[name], g.timeout, tensors, root), root
+    return name and (name, rt.backends[name].starter(op, g.handles[name], g.timeout, tensors, root), root)
 
 
 def _spanning(parts, like: torch.Tensor, n: int) -> Optional[torch.Tensor]:
@@ -920,7 +981,8 @@ def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.T
     row = _row_elements(op, input, output)
     if even:
         _even_rows(op, _splits(op, "input", input, None, g.size), _splits(op, "output", output, None, g.size))
-    if rt.selector.needs_agreement(op, g.size, backend):
+    if rt.selector.needs_agreement(op, g.size, backend) or (rt.autotune is not None
+                                                             and rt.autotune.explores(op, backend)):
         return False
     name = rt.selector.choose(op, input.nbytes, g.size, "cpu", input.dtype, None, backend)
     return name, rt.backends[name].starter(op, g.handles[name], g.timeout, (output, input)), row

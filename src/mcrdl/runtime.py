@@ -13,6 +13,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
 from .backends.mpi import import_mpi, mpi_launched
 from .health import Health, heartbeat_interval
@@ -219,7 +220,7 @@ class Runtime:
                  timeout: float, op_backends: Optional[Mapping[str, str]],
                  tuning_table: Union[None, str, dict, TuningTable], debug: Optional[bool],
                  comms_log: Optional[bool] = None, store=None, rank: Optional[int] = None,
-                 world_size: Optional[int] = None):
+                 world_size: Optional[int] = None, autotune: Optional[bool] = None):
         requested = list(REGISTRY) if backends is None else list(backends)
         for name in requested:
             if name not in REGISTRY:
@@ -234,6 +235,7 @@ class Runtime:
         if op_backends is None and os.environ.get("MCRDL_OP_BACKENDS"):
             op_backends = parse_op_backends(os.environ["MCRDL_OP_BACKENDS"])
         Selector(dict.fromkeys(REGISTRY), next(iter(REGISTRY)), op_backends)  # names and ops
+        tuning = Autotuner.settings(autotune)
         beat = heartbeat_interval()
         wait = wait_policy_from_env()
         self.timeout = timeout
@@ -285,6 +287,8 @@ class Runtime:
         if table is not None:  # again, now that we know which backends are live
             table = TuningTable.from_dict(table.to_dict(), REGISTRY, self.backends, table.source)
         self.selector = Selector(self.backends, default, op_backends, table)
+        #: in-situ autotuning (mcrdl.autotune), or None
+        self.autotune = None if tuning is None else Autotuner(self.selector, **tuning)
         self.debug = os.environ.get("MCRDL_DEBUG", "0") == "1" if debug is None else bool(debug)
         if comms_log is None:
             comms_log = os.environ.get("MCRDL_COMMS_LOG", "0") == "1"
@@ -294,7 +298,8 @@ class Runtime:
         if comms_log:  # an observer: the API reports each op to it
             from .features.logger import CommsLogger
             self.logger = CommsLogger(self.rank, self.world_size,
-                                      lambda data: self.control_allgather(self.world, data))
+                                      lambda data: self.control_allgather(self.world, data),
+                                      None if self.autotune is None else self.autotune.report)
 
     # -- launch and rendezvous ---------------------------------------------------
     def _launch(self) -> None:
@@ -441,11 +446,11 @@ class Runtime:
         pending = start(self.backends[name], g.handles[name])
         self.engine.run(what, name, pending, (), (), (), g, (), False)
 
-    def control_max(self, g: Group, value: int) -> int:
-        """The maximum of ``value`` over the group's ranks."""
-        t = torch.tensor([value], dtype=torch.int64)
-        self._control(g, lambda b, h: b.all_reduce(h, t, ReduceOp.MAX), "size agreement")
-        return int(t[0])
+    def control_max(self, g: Group, value: Union[int, list[int]]) -> Union[int, list[int]]:
+        """The maximum of ``value`` (an int, or each item of a list) over the group's ranks."""
+        t = torch.tensor(value if isinstance(value, list) else [value], dtype=torch.int64)
+        self._control(g, lambda b, h: b.all_reduce(h, t, ReduceOp.MAX), "agreement")
+        return t.tolist() if isinstance(value, list) else int(t[0])
 
     def control_allgather(self, g: Group, data: bytes) -> list[bytes]:
         """Every group rank's ``data`` (any lengths), in group rank order."""

@@ -117,8 +117,9 @@ class Selector:
         if self.table is not None:
             name = self.table.lookup(cls, group_size, nbytes)
             if name is not None:
+                learned = self.table.learned(cls, group_size, nbytes)
                 candidates.append((name, f"tuning table {self.table.source}: {cls}, group size "
-                                         f"{group_size}, {nbytes} B"))
+                                         f"{group_size}, {nbytes} B" + (f" ({learned})" if learned else "")))
         candidates.append((self.default, "default backend"))
         candidates += [(n, "first live backend able to run it") for n in self.live]
         skipped = []

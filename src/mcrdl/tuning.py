@@ -229,6 +229,20 @@ class TuningTable:
         j = bisect.bisect_left(bounds, nbytes)
         return names[j if j < len(names) else -1]
 
+    def learned(self, op: str, group_size: int, nbytes: int) -> Optional[str]:
+        """What an autotuned job measured for this op's size bucket (a table
+        saved by ``MCRDL_AUTOTUNE_SAVE`` says in its metadata), or None."""
+        rows = self.metadata.get("buckets")
+        for row in rows if isinstance(rows, list) else ():
+            try:
+                if (row["op"] == op and row["group_size"] == group_size
+                        and row["min_bytes"] <= nbytes <= row["max_bytes"]):
+                    us = ", ".join(f"{b} {'-' if t is None else f'{t:.1f} us'}" for b, t in row["us"].items())
+                    return f"learned in-situ by group {row['group']}: {us}; {row['how']}"
+            except (KeyError, TypeError, AttributeError):
+                return None
+        return None
+
     def distinct_backends(self, op: str, group_size: int) -> int:
         """How many different backends the rules for ``op`` at this size use."""
         entry = self._compiled.get(op)

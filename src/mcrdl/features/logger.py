@@ -79,9 +79,11 @@ class CommsLogger:
     returns every rank's bytes (a control all-gather over the world, not
     logged): the views across ranks use it."""
 
-    def __init__(self, rank: int, world_size: int, gather: Callable[[bytes], list[bytes]]):
+    def __init__(self, rank: int, world_size: int, gather: Callable[[bytes], list[bytes]],
+                 autotune: Optional[Callable[[], list[dict]]] = None):
         global _active
         self.rank, self.world_size = rank, world_size
+        self.autotune = autotune  # in-situ autotune's report (what was tried, measured, won), if on
         self.records: list[Record] = []
         self._gather = gather
         self._t0 = time.perf_counter()
@@ -339,6 +341,8 @@ def comms_summary(all_ranks: bool = True) -> dict:
     communication and wait time (:func:`arrival_summary`)."""
     lg = _logger()
     out = {"rank": lg.rank, "summary": lg.summary(), "histogram": lg.histogram()}
+    if lg.autotune is not None:
+        out["autotune"] = lg.autotune()
     if all_ranks:
         out.update(_across_ranks([d["doc"] for d in lg.gather({"doc": lg.to_json()})]))
     return out
@@ -367,6 +371,15 @@ def print_comms_summary(summary: Optional[dict] = None) -> None:
                   f"{row['trimmed_mean_s'] * 1e6:.1f}", f"{row['algbw_gbps']:.3f}",
                   f"{row['busbw_gbps']:.3f}")
     console.print(t)
+    if summary.get("autotune"):
+        a = Table(title="autotune: backends tried per group, op and size (group's median per call, us)")
+        for col in ("group", "op", "bytes", "measured", "winner", "why"):
+            a.add_column(col)
+        for row in summary["autotune"]:
+            measured = ", ".join(f"{b} {'-' if us is None else f'{us:.1f}'}" for b, us in row["us"].items())
+            a.add_row(row["group"], row["op"], f"{row['min_bytes']}-{row['max_bytes']}", measured,
+                      row["winner"] or "(exploring)", row["how"])
+        console.print(a)
     if summary.get("stragglers_s"):
         s = Table(title="stragglers: each rank's total time minus the fastest rank's (ms)")
         s.add_column("op/backend")
@@ -415,5 +428,6 @@ def export_comms(directory: str) -> dict:
     write_matrix_png(matrix, paths["heatmap"])
     paths["summary"] = os.path.join(directory, "summary.json")
     write_json(paths["summary"], {"summary": lg.summary(), "histogram": lg.histogram(),
+                                  "autotune": lg.autotune() if lg.autotune is not None else None,
                                   **_across_ranks([d["doc"] for d in gathered])})
     return paths

@@ -1,0 +1,221 @@
+"""In-situ autotuning: a job learns its backend choices from its own calls.
+
+For each group, op class and size bucket (powers of two: bucket ``b`` holds
+messages of ``2**(b-1)`` to ``2**b - 1`` bytes), the first calls of the job
+run on each live backend able to take them in turn: one warm-up call, then
+``calls`` timed ones, per backend. The call after the last of them agrees on
+the winner: every member contributes its median per backend, the group takes
+the minimum per backend (the member that arrives last waits least: its time
+is the op's, the others' include waiting for it), and the fastest backend wins; the seed (the tuning table's choice, else the default
+backend) keeps the bucket unless another measures ``margin`` faster. The
+choice is then frozen, and the fast paths plan with it.
+
+Every member picks the same backend for the same call without talking: the
+schedule depends only on how many calls of the bucket the group has made,
+which is the same on every member because collectives are called in the same
+order everywhere. The agreement is itself a collective of the group at a call
+every member reaches. Async calls run on their slot's backend but are not
+timed (their completion is seen only at the user's wait); a bucket whose
+calls were all async keeps its seed. Point-to-point is not explored (a send's
+and its receive's call counts differ); it is selected as without autotune.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+from typing import Optional
+
+from .tuning import FORMAT, OP_CLASS
+
+#: Classes explored (collectives, whose members call in the same order).
+EXPLORED = frozenset(c for c in set(OP_CLASS.values()) if c != "p2p")
+#: "Not measured" in the agreement (nanoseconds; int64 on the wire).
+UNMEASURED = 2 ** 62
+
+
+def bucket(nbytes: int) -> int:
+    """Size bucket of a message: ``nbytes.bit_length()``."""
+    return nbytes.bit_length()
+
+
+def bucket_bounds(b: int) -> tuple[int, int]:
+    """Smallest and largest size (bytes) of bucket ``b``."""
+    return (0, 0) if b == 0 else (1 << (b - 1), (1 << b) - 1)
+
+
+class Bucket:
+    """One (op class, size bucket) of one group: its schedule and its outcome."""
+
+    __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how")
+
+    def __init__(self, candidates: tuple[str, ...]):
+        self.candidates = candidates  # the seed first
+        self.calls = 0
+        self.times: dict[str, list[float]] = {c: [] for c in candidates}
+        self.winner: Optional[str] = candidates[0] if len(candidates) == 1 else None
+        self.agreed: dict[str, Optional[float]] = {}  # backend -> group's median, µs (None: unmeasured)
+        self.how = "only backend able to run it" if self.winner else "exploring"
+
+
+class Autotuner:
+    """Per-group exploration state; consulted by the API for every collective."""
+
+    def __init__(self, selector, calls: int = 3, warmup: int = 1, margin: float = 0.05,
+                 save: Optional[str] = None):
+        if calls < 1 or warmup < 0:
+            raise ValueError(f"autotune: calls must be >= 1 and warm-up >= 0, got {calls}, {warmup}")
+        self.selector = selector
+        self.calls, self.warmup, self.margin, self.save_path = calls, warmup, margin, save
+        self.slots = warmup + calls
+        self.state: dict[str, dict[tuple, Bucket]] = {}  # group name -> (class, device, bucket) -> Bucket
+        self.sizes: dict[str, int] = {}  # group name -> size
+        self.excess_s = 0.0  # this rank's timed calls on losers, beyond the winner's median
+
+    @staticmethod
+    def settings(enabled: Optional[bool]) -> Optional[dict]:
+        """The job's autotune settings (``autotune=`` or ``MCRDL_AUTOTUNE=1``,
+        ``MCRDL_AUTOTUNE_CALLS``, ``MCRDL_AUTOTUNE_SAVE``), or None when off."""
+        if enabled is None:
+            flag = os.environ.get("MCRDL_AUTOTUNE", "0")
+            if flag not in ("0", "1"):
+                raise ValueError(f"MCRDL_AUTOTUNE: expected 0 or 1, got {flag!r}")
+            enabled = flag == "1"
+        if not enabled:
+            return None
+        raw = os.environ.get("MCRDL_AUTOTUNE_CALLS", "3")
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"MCRDL_AUTOTUNE_CALLS: expected a positive integer, got {raw!r}")
+        return {"calls": int(raw), "save": os.environ.get("MCRDL_AUTOTUNE_SAVE") or None}
+
+    def explores(self, op: str, explicit: Optional[str]) -> bool:
+        """Does autotune decide this call (no ``backend=``, no static map entry)?"""
+        cls = OP_CLASS[op]
+        return explicit is None and cls in EXPLORED and cls not in self.selector.static
+
+    def frozen(self, g, op: str, nbytes: int, device: str, chosen: str) -> Optional[str]:
+        """The backend for a fast-path plan: ``chosen`` (the selector's) when
+        autotune does not decide the op, the frozen winner, or None while the
+        bucket is unexplored or exploring (the general path runs the call)."""
+        cls = OP_CLASS[op]
+        if cls not in EXPLORED or cls in self.selector.static:
+            return chosen
+        b = self.state.get(g.name, {}).get((cls, device, bucket(nbytes)))
+        return None if b is None else b.winner
+
+    def pick(self, rt, g, op: str, nbytes: int, device: str, runnable) -> tuple[str, Optional[Bucket]]:
+        """The backend for this call of ``op`` (None: the selector's, when the
+        bucket's backend cannot run it) and the bucket to time it for (None: not
+        timed). ``runnable(name)``: can this backend run this call."""
+        cls = OP_CLASS[op]
+        key = (cls, device, bucket(nbytes))
+        buckets = self.state.setdefault(g.name, {})
+        self.sizes[g.name] = g.size
+        b = buckets.get(key)
+        if b is None:
+            b = buckets[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
+        if b.winner is not None:
+            return (b.winner if runnable(b.winner) else None), None
+        slot, within = divmod(b.calls, self.slots)
+        b.calls += 1
+        if slot == len(b.candidates):
+            self._agree(rt, g, b)
+            return (b.winner if runnable(b.winner) else None), None
+        name = b.candidates[slot]
+        if not runnable(name):  # e.g. a dtype only some backends take: not timed
+            return None, None
+        return name, (b if within >= self.warmup else None)
+
+    def record(self, b: Bucket, name: str, seconds: float) -> None:
+        b.times[name].append(seconds)
+
+    def _candidates(self, cls: str, size: int, device: str, bkt: int) -> tuple[str, ...]:
+        sel = self.selector
+        seed = None
+        if sel.table is not None:
+            seed = sel.table.lookup(cls, size, bucket_bounds(bkt)[0])
+        if seed is None:
+            seed = sel.default
+        live = [n for n, be in sel.live.items() if device in be.devices]
+        return tuple(dict.fromkeys(([seed] if seed in live else []) + live))
+
+    def _agree(self, rt, g, b: Bucket) -> None:
+        """Freeze ``b`` on the backend the group measured fastest (a collective of ``g``)."""
+        mine = [-int(statistics.median(b.times[c]) * 1e9) if b.times[c] else -UNMEASURED
+                for c in b.candidates]
+        group = [-t for t in rt.control_max(g, mine)]  # the minimum over members
+        b.agreed = {c: (None if t >= UNMEASURED else t / 1e3) for c, t in zip(b.candidates, group)}
+        seed, best = b.candidates[0], min(zip(group, b.candidates))
+        if best[0] >= UNMEASURED:
+            b.winner, b.how = seed, "kept the seed: no call was timed (async calls only)"
+        elif best[1] != seed and group[0] < UNMEASURED and best[0] > group[0] * (1 - self.margin):
+            b.winner, b.how = seed, f"kept the seed: {best[1]} was less than {self.margin:.0%} faster"
+        else:
+            b.winner, b.how = best[1], "measured fastest"
+        if b.times[b.winner]:
+            best_s = statistics.median(b.times[b.winner])
+            self.excess_s += sum(t - best_s for c in b.candidates if c != b.winner for t in b.times[c])
+
+    # -- reporting -------------------------------------------------------------------
+    def report(self) -> list[dict]:
+        """One row per explored bucket: group, op class, sizes, what each backend
+        measured (group median, µs), the winner and why."""
+        rows = []
+        for gname, buckets in self.state.items():
+            for (cls, device, bkt), b in sorted(buckets.items()):
+                lo, hi = bucket_bounds(bkt)
+                rows.append({"group": gname, "group_size": self.sizes[gname], "op": cls, "device": device,
+                             "min_bytes": lo, "max_bytes": hi, "calls": b.calls, "us": b.agreed,
+                             "winner": b.winner, "how": b.how})
+        return rows
+
+    def describe(self, g, op: str, nbytes: int, device: str = "cpu") -> Optional[str]:
+        """What autotune did for this call's bucket (None: it does not decide it)."""
+        cls = OP_CLASS[op]
+        if cls not in EXPLORED or cls in self.selector.static:
+            return None
+        b = self.state.get(g.name, {}).get((cls, device, bucket(nbytes)))
+        if b is None:
+            return "autotune: not called yet (the next calls explore)"
+        if b.winner is None:
+            return f"autotune: exploring ({b.calls} of {len(b.candidates) * self.slots} calls)"
+        us = ", ".join(f"{c} {'-' if t is None else f'{t:.1f} us'}" for c, t in b.agreed.items())
+        return f"autotune: {b.how}" + (f" ({us})" if us else "")
+
+    def table(self, world_size: int) -> dict:
+        """What was learned, as a tuning table (``MCRDL_TUNING_TABLE`` next run).
+        Groups of one size share rules: the first group learned wins a bucket."""
+        rules: dict[str, dict[str, dict[int, str]]] = {}
+        for row in self.report():
+            if row["device"] != "cpu" or row["winner"] is None:
+                continue
+            by_size = rules.setdefault(row["op"], {}).setdefault(str(row["group_size"]), {})
+            by_size.setdefault(row["max_bytes"], row["winner"])
+        out: dict = {}
+        for op, by_size in rules.items():
+            for size, buckets in by_size.items():
+                rs: list[dict] = []
+                for hi, name in sorted(buckets.items()):
+                    if rs and rs[-1]["backend"] == name:
+                        rs[-1]["max_bytes"] = hi
+                    else:
+                        rs.append({"max_bytes": hi, "backend": name})
+                rs[-1]["max_bytes"] = None
+                out.setdefault(op, {})[size] = rs
+        return {"format": FORMAT,
+                "metadata": {"learned": "in-situ autotune (MCRDL_AUTOTUNE=1)", "world_size": world_size,
+                             "hosts": [socket.gethostname()],
+                             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                             "calls_per_backend": self.calls, "warmup_calls": self.warmup,
+                             "margin": self.margin, "exploration_excess_s": round(self.excess_s, 6),
+                             "buckets": self.report()},
+                "rules": out}
+
+    def save(self, path: str, world_size: int) -> None:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.table(world_size), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)

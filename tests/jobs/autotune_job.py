@@ -1,0 +1,184 @@
+"""In-situ autotune (mcrdl.autotune). Usage: autotune_job.py CASE
+
+Every result is checked against a local reference, during exploration and
+after; at the end every member of every group must hold the same winners."""
+import json
+import random
+import sys
+import time
+
+import torch
+
+import mcrdl
+from common import check
+from mcrdl import api
+
+case = sys.argv[1]
+mcrdl.init_process_group(timeout=30, autotune=True)
+rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+tuner = api._runtime.autotune
+# float32 elements either side of bucket edges (1 KiB, 4 KiB) for each op's lookup size
+EDGES = (1, 255, 256, 257, 1023, 1024, 1025)
+
+
+def run_ops(group, ranks, numel, salt, async_op=False):
+    """One call of each collective on ``group`` (members ``ranks``), checked."""
+    me, n = ranks.index(rank), len(ranks)
+    works = []
+
+    def later(work, fn):
+        if work is None:
+            fn()
+        else:
+            works.append((work, fn))
+
+    def val(r):
+        return torch.arange(numel, dtype=torch.float32) + 10 * r + salt
+
+    t = val(rank)
+    later(mcrdl.all_reduce(t, group=group, async_op=async_op),
+          lambda t=t: check(torch.equal(t, sum(val(r) for r in ranks)), "all_reduce", numel, t[:4]))
+    b = val(rank)
+    later(mcrdl.broadcast(b, ranks[-1], group=group, async_op=async_op),
+          lambda b=b: check(torch.equal(b, val(ranks[-1])), "broadcast", numel))
+    out = torch.empty(n * numel)
+    later(mcrdl.all_gather_into_tensor(out, val(rank), group=group, async_op=async_op),
+          lambda out=out: check(torch.equal(out, torch.cat([val(r) for r in ranks])), "all_gather", numel))
+    full = torch.cat([val(rank) + i for i in range(n)])
+    part = torch.empty(numel)
+    later(mcrdl.reduce_scatter_tensor(part, full, group=group, async_op=async_op),
+          lambda part=part: check(torch.equal(part, sum(val(r) + me for r in ranks)), "reduce_scatter", numel))
+    parts = [torch.empty(numel) for _ in ranks]
+    later(mcrdl.all_gather(parts, val(rank), group=group, async_op=async_op),
+          lambda parts=parts: check(all(torch.equal(p, val(r)) for p, r in zip(parts, ranks)), "all_gather list"))
+    r = val(rank)
+    later(mcrdl.reduce(r, ranks[0], group=group, async_op=async_op),
+          lambda r=r: check(me != 0 or torch.equal(r, sum(val(x) for x in ranks)), "reduce", numel))
+    gl = [torch.empty(numel) for _ in ranks] if me == 0 else None
+    later(mcrdl.gather(val(rank), gl, ranks[0], group=group, async_op=async_op),
+          lambda gl=gl: check(me != 0 or all(torch.equal(p, val(x)) for p, x in zip(gl, ranks)), "gather"))
+    sc = torch.empty(numel)
+    sl = [val(x) for x in ranks] if me == 0 else None
+    later(mcrdl.scatter(sc, sl, ranks[0], group=group, async_op=async_op),
+          lambda sc=sc: check(torch.equal(sc, val(rank)), "scatter", numel))
+    a_in = torch.cat([val(rank) + 100 * i for i in range(n)])
+    a_out = torch.empty(n * numel)
+    later(mcrdl.all_to_all_single(a_out, a_in, group=group, async_op=async_op),
+          lambda a_out=a_out: check(torch.equal(a_out, torch.cat([val(x) + 100 * me for x in ranks])), "a2a"))
+    for work, fn in works:
+        work.wait()
+        fn()
+
+
+def same_winners(group, ranks, done=True):
+    """Every member holds the same outcome (or exploration state, unless
+    ``done``) for every bucket of ``group``."""
+    mine = [(r["op"], r["min_bytes"], r["winner"], r["us"], r["calls"]) for r in tuner.report()
+            if r["group"] == group.name]
+    if done and any(w is None for _, _, w, _, _ in mine):
+        raise AssertionError(f"bucket still exploring: {mine}")
+    rows = api._runtime.control_allgather(group, json.dumps(mine).encode())
+    check(len(set(rows)) == 1, "ranks disagree on the winners:", *rows)
+    return mine
+
+
+def ops():
+    """Every collective, sync and async, sizes straddling bucket edges, p2p in
+    between (not explored), then the fast paths plan with the winners."""
+    ranks = list(range(world))
+    for numel in EDGES:
+        for i in range(2 * (tuner.slots + 1)):  # enough calls to explore every bucket
+            run_ops(None, ranks, numel, i, async_op=i % 3 == 1)
+            x = torch.full((numel,), float(i))
+            if rank == 0:
+                mcrdl.send(x + 1, 1)
+            elif rank == 1:
+                mcrdl.recv(x, 0)
+                check(torch.equal(x, torch.full((numel,), i + 1.0)), "p2p")
+    won = same_winners(api._runtime.world, ranks)
+    check(len(won) >= 4 * 3, "too few buckets explored", won)
+    # a frozen bucket runs on its fast path, with the winner's plan
+    t = torch.ones(256)
+    mcrdl.all_reduce(t)
+    plan = api._runtime.world.starters[(t.nbytes, t.dtype, None)]
+    winner = next(w for op, lo, w, _, _ in won if op == "all_reduce" and lo <= t.nbytes < 2 * max(lo, 1))
+    check(plan[0] == winner, "fast path plans", plan[0], "but the winner is", winner)
+    check("autotune" in mcrdl.explain("all_reduce", t), mcrdl.explain("all_reduce", t))
+
+
+def one_sided():
+    """Rank 0 has an outstanding isend (general path), rank 1 does not (fast
+    path): both must still follow the same exploration schedule."""
+    for i in range(3 * tuner.slots):
+        t = torch.full((64,), float(rank))
+        w = mcrdl.isend(torch.ones(8) * i, 1) if rank == 0 else None
+        mcrdl.all_reduce(t)
+        check(torch.equal(t, torch.full((64,), float(sum(range(world))))), "all_reduce", i, t[:2])
+        b = torch.full((300,), float(rank))
+        mcrdl.broadcast(b, 0)
+        check(torch.equal(b, torch.zeros(300)), "broadcast", i)
+        if rank == 1:
+            x = torch.empty(8)
+            mcrdl.recv(x, 0)
+            check(torch.equal(x, torch.ones(8) * i), "recv", i)
+        if w is not None:
+            w.wait()
+    same_winners(api._runtime.world, list(range(world)))
+
+
+def disagree():
+    """Ranks measure opposite orders (rank 0: mpi slow, others: gloo slow);
+    the agreement still gives every rank one winner."""
+    slow = "mpi" if rank == 0 else "gloo"
+    real = tuner.record
+    tuner.record = lambda b, name, s: real(b, name, s * (1000 if name == slow else 1))
+    for i in range(3 * tuner.slots):
+        t = torch.full((16,), 1.0)
+        mcrdl.all_reduce(t)
+        check(torch.equal(t, torch.full((16,), float(world))), "all_reduce", i)
+    same_winners(api._runtime.world, list(range(world)))
+
+
+def slow_rank():
+    """Rank 1 arrives late at every call, by a random delay."""
+    rng = random.Random(rank)
+    for i in range(3 * tuner.slots):
+        if rank == 1:
+            time.sleep(rng.random() * 0.002)
+        run_ops(None, list(range(world)), 100, i)
+    same_winners(api._runtime.world, list(range(world)))
+
+
+def subgroups():
+    """Calls on overlapping subgroups interleave differently on each rank."""
+    lo, hi, tail = mcrdl.new_group([0, 1]), mcrdl.new_group([2, 3]), mcrdl.new_group([1, 2, 3])
+    mine = [(g, r) for g, r in ((lo, [0, 1]), (hi, [2, 3]), (tail, [1, 2, 3])) if rank in r]
+    for i in range(2 * (2 * tuner.slots + 1)):  # two sizes, each explored to the end
+        for g, r in (mine if i % 3 else mine[::-1]):
+            run_ops(g, r, 255 + (i % 2), i)
+        run_ops(None, list(range(world)), 64, i)
+    for g, r in mine:
+        same_winners(g, r)
+    same_winners(api._runtime.world, list(range(world)))
+
+
+def uneven():
+    """all_to_all_single with per-rank sizes in different buckets (ranks agree
+    on the size first)."""
+    rng = random.Random(7)
+    for i in range(4 * tuner.slots):
+        rows = [[rng.choice((1, 200, 300, 1100)) for _ in range(world)] for _ in range(world)]
+        send = rows[rank]  # rows[s][d]: what s sends to d
+        recv = [rows[s][rank] for s in range(world)]
+        inp = torch.cat([torch.full((n,), float(100 * rank + d)) for d, n in enumerate(send)])
+        out = torch.empty(sum(recv))
+        mcrdl.all_to_all_single(out, inp, recv, send)
+        ref = torch.cat([torch.full((n,), float(100 * s + rank)) for s, n in enumerate(recv)])
+        check(torch.equal(out, ref), "uneven a2a", i, send, recv)
+    same_winners(api._runtime.world, list(range(world)), done=False)
+
+
+{"ops": ops, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank, "subgroups": subgroups,
+ "uneven": uneven}[case]()
+print(f"rank {rank}: {case} OK", flush=True)
+mcrdl.destroy_process_group()

@@ -1,0 +1,101 @@
+"""In-situ autotune: real jobs, every result checked, every rank's picks compared."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_job
+from mcrdl.autotune import Autotuner, Bucket, bucket, bucket_bounds
+from mcrdl.backends import REGISTRY
+from mcrdl.tuning import TuningTable
+
+
+@pytest.mark.parametrize("case", ["ops", "one_sided", "disagree", "slow_rank", "uneven"])
+def test_autotune_two_ranks(case):
+    """one_sided hangs and disagree deadlocks without their fixes (plans kept
+    while exploring; winners agreed on by the group)."""
+    out = run_job(2, "autotune_job.py", case, timeout=240)
+    assert out.count(f"{case} OK") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("case", ["subgroups", "ops"])
+def test_autotune_four_ranks(case):
+    out = run_job(4, "autotune_job.py", case, timeout=300)
+    assert out.count(f"{case} OK") == 4, out[-3000:]
+
+
+def test_saved_table_loads_and_selects_what_was_learned(tmp_path):
+    path = tmp_path / "learned.json"
+    out = run_job(2, "autotune_job.py", "ops", timeout=240,
+                  env={"MCRDL_AUTOTUNE_SAVE": str(path), "MCRDL_COMMS_LOG": "1"})
+    assert out.count("ops OK") == 2, out[-3000:]
+    assert "autotune: backends tried" in out  # the logger's summary shows what was tried
+    table = TuningTable.load(str(path), REGISTRY)
+    rows = table.metadata["buckets"]
+    assert table.metadata["learned"].startswith("in-situ autotune")
+    assert {r["op"] for r in rows} >= {"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
+                                       "gather", "scatter", "all_to_all"}
+    for r in rows:
+        assert r["winner"] in ("mpi", "gloo") and set(r["us"]) == {"mpi", "gloo"}, r
+        for nbytes in (r["min_bytes"], r["max_bytes"]):
+            assert table.lookup(r["op"], 2, nbytes) == r["winner"], (r, nbytes)
+    # next run: the saved table selects, and explain says what was measured
+    row = next(r for r in rows if r["op"] == "all_reduce" and r["min_bytes"] == 1024)
+    out = subprocess.run([sys.executable, "-m", "mcrdl.cli", "explain", "all_reduce", "1500", "--group-size",
+                          "2", "--table", str(path)], capture_output=True, text=True, timeout=120).stdout
+    assert re.search(rf"all_reduce of 1500 B, group size 2: {row['winner']} \(tuning table .*learned "
+                     r"in-situ by group world: mpi [\d.]+ us, gloo [\d.]+ us", out), out
+
+
+def test_torch_backend_ops_under_autotune():
+    out = run_job(2, "torch_backend_ops_job.py", "mpi", timeout=300, env={"MCRDL_AUTOTUNE": "1"})
+    assert out.count("TORCH BACKEND OPS OK") == 2, out[-3000:]
+
+
+def test_stress_with_autotune():
+    """The randomized mixing program (sync/async, overlapping buffers, explicit
+    and selected backends, a table that seeds exploration) with autotune on."""
+    out = run_job(4, "stress_job.py", 5, 400, timeout=300, env={"MCRDL_AUTOTUNE": "1"})
+    assert out.count("STRESS OK") == 4, out[-3000:]
+
+
+def test_settings_are_checked_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("MCRDL_AUTOTUNE", "yes")
+    with pytest.raises(ValueError, match="MCRDL_AUTOTUNE: expected 0 or 1, got 'yes'"):
+        Autotuner.settings(None)
+    monkeypatch.setenv("MCRDL_AUTOTUNE", "1")
+    monkeypatch.setenv("MCRDL_AUTOTUNE_CALLS", "0")
+    with pytest.raises(ValueError, match="MCRDL_AUTOTUNE_CALLS"):
+        Autotuner.settings(None)
+    monkeypatch.setenv("MCRDL_AUTOTUNE_CALLS", "5")
+    monkeypatch.setenv("MCRDL_AUTOTUNE_SAVE", "/tmp/x.json")
+    assert Autotuner.settings(None) == {"calls": 5, "save": "/tmp/x.json"}
+    assert Autotuner.settings(False) is None
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(n) for n in (0, 1, 2, 3, 4, 1023, 1024, 2047, 2048)] == [0, 1, 2, 2, 3, 10, 11, 11, 12]
+    assert bucket_bounds(0) == (0, 0) and bucket_bounds(11) == (1024, 2047)
+    assert all(bucket(lo) == bucket(hi) == b for b in range(1, 40) for lo, hi in [bucket_bounds(b)])
+
+
+class _Sel:
+    table, default, static = None, "mpi", {}
+
+
+def test_saved_rules_merge_buckets_and_cover_every_size():
+    tuner = Autotuner(_Sel())
+    tuner.sizes = {"world": 2}
+    winners = {3: "gloo", 11: "mpi", 12: "mpi", 20: "gloo"}
+    for b, w in winners.items():
+        k = Bucket(("mpi", "gloo"))
+        k.winner, k.agreed, k.how = w, {"mpi": 1.0, "gloo": 2.0}, "measured fastest"
+        tuner.state.setdefault("world", {})[("all_reduce", "cpu", b)] = k
+    doc = tuner.table(2)
+    assert doc["rules"] == {"all_reduce": {"2": [{"max_bytes": 7, "backend": "gloo"},
+                                                 {"max_bytes": 4095, "backend": "mpi"},
+                                                 {"max_bytes": None, "backend": "gloo"}]}}
+    table = TuningTable.from_dict(json.loads(json.dumps(doc)), REGISTRY)
+    assert table.lookup("all_reduce", 2, 1500) == "mpi" and table.lookup("all_reduce", 2, 1 << 30) == "gloo"
