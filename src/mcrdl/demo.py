@@ -15,7 +15,9 @@ It starts ``-n`` local ranks of itself (``mcrdl run``), and in that job:
    single library), ``coarse`` (one library per op class, chosen from the tune),
    ``tuned`` (the tuning table: per op and message size); DDP also runs
    ``torch`` (plain DDP, no hook), ``tuned+polled``, ``tuned+fused`` and
-   ``tuned+fp16`` (hook variants);
+   ``tuned+fp16`` (hook variants). ``--modes`` picks others: ``autotuned``
+   learns its choices from the run's own first calls (``mcrdl.autotune``); a
+   demo without ``coarse`` and ``tuned`` skips the quick tune;
 3. each workload writes ``OUT/<workload>.json`` (rank 0).
 
 Then (outside the job) it prints one table: workload x mode, samples/s, step
@@ -46,6 +48,10 @@ WORKLOADS = {
     "ddp": ("ddp", [], ",tuned+polled,tuned+fused,tuned+fp16,torch"),
 }
 MAIN_MODES = ("baseline-gloo", "baseline-mpi", "coarse", "tuned")
+#: Every mode the demo can run, in the order it reports them.
+MODES = MAIN_MODES + ("autotuned",)
+#: Modes that need the tuning table (the quick tune, or --table).
+TABLE_MODES = ("coarse", "tuned")
 TUNE_OPS = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
 #: Sizes of the demo's tune: the quick sweep's span, denser where the workloads' messages are.
 TUNE_SIZES = "4,1K,16K,64K,128K,256K,1M,4M"
@@ -61,6 +67,8 @@ def add_args(p) -> None:
     p.add_argument("--rounds", type=int, default=6,
                    help="rounds; every mode runs once per round, interleaved (default 6)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--modes", default=",".join(MAIN_MODES),
+                   help=f"comma list of {', '.join(MODES)} (default: {','.join(MAIN_MODES)})")
     p.add_argument("--table", help="use this tuning table instead of running the quick tune")
     p.add_argument("--tune-sizes", default=TUNE_SIZES, help=f"sizes of the quick tune (default {TUNE_SIZES})")
     p.add_argument("--timeout", type=float, default=900, help="kill the job after this many seconds")
@@ -87,8 +95,17 @@ def _selected(spec: str) -> List[str]:
     return names
 
 
+def _modes(spec: str) -> List[str]:
+    modes = [m.strip() for m in spec.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown modes {bad} (expected some of {', '.join(MODES)})")
+    return modes
+
+
 def main(args) -> int:
     names = _selected(args.workloads)
+    args.modes = ",".join(_modes(args.modes))
     if not _in_job():
         return _outer(args, names)
     rc = _inner(args, names)
@@ -119,11 +136,12 @@ def _outer(args, names: List[str]) -> int:
             os.remove(path)
     argv = ["-m", "mcrdl.cli", "demo", "--no-report", "--out", args.out, "--workloads", ",".join(names),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-            "--seed", str(args.seed), "--tune-sizes", args.tune_sizes]
+            "--seed", str(args.seed), "--tune-sizes", args.tune_sizes, "--modes", args.modes]
     if args.table:
         argv += ["--table", args.table]
-    print(f"mcrdl demo: {args.nprocs} local ranks; quick tune, then {', '.join(names)} in modes "
-          f"{', '.join(MAIN_MODES)} ({args.steps} timed steps x {args.rounds} rounds each)", flush=True)
+    tune = "" if args.table or not set(TABLE_MODES) & set(args.modes.split(",")) else "quick tune, then "
+    print(f"mcrdl demo: {args.nprocs} local ranks; {tune}{', '.join(names)} in modes "
+          f"{args.modes.replace(',', ', ')} ({args.steps} timed steps x {args.rounds} rounds each)", flush=True)
     t0 = time.time()
     load0 = _loadavg()
     rc = launcher.run(launcher.build_command(args.nprocs, argv), args.timeout)
@@ -150,8 +168,9 @@ def _inner(args, names: List[str]) -> int:
     from . import cli
 
     os.makedirs(args.out, exist_ok=True)
+    modes = args.modes.split(",")
     table = args.table
-    if table is None:
+    if table is None and set(TABLE_MODES) & set(modes):
         table = os.path.join(args.out, "table.json")
         rc = cli.main(["tune", "--quick", "--ops", ",".join(TUNE_OPS), "--sizes", args.tune_sizes,
                        "--rounds", "5", "--out", table])
@@ -161,7 +180,8 @@ def _inner(args, names: List[str]) -> int:
     for name in names:
         module, extra, more_modes = WORKLOADS[name]
         mod = importlib.import_module(f"mcrdl.workloads.{module}")
-        argv = ["--mode", ",".join(MAIN_MODES) + more_modes, "--table", table,
+        extra_modes = more_modes if "tuned" in modes else ""  # DDP's hook variants of tuned
+        argv = ["--mode", ",".join(modes) + extra_modes, *(["--table", table] if table else []),
                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                 "--seed", str(args.seed), "--json", os.path.join(args.out, f"{name}.json"), "--quiet",
                 *extra]
@@ -301,21 +321,22 @@ def chart(rows: List[dict], path: str) -> None:
 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     by = {(r["workload"], r["mode"]): r for r in rows}
+    main = [m for m in MODES if any(r["mode"] == m for r in rows)]
     extra = [m for m in dict.fromkeys(r["mode"] for r in rows if r["workload"] == "ddp")
-             if m not in MAIN_MODES]
+             if m not in MODES]
     fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(12 if extra else 9, 4.2), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 1.2]} if extra else None)
     ax = axes[0][0]
     colors = {"baseline-gloo": "#9e9e9e", "baseline-mpi": "#607d8b", "coarse": "#64b5f6",
               "tuned": "#1565c0", "torch": "#bdbdbd", "tuned+polled": "#00897b", "tuned+fused": "#2e7d32",
-              "tuned+fp16": "#f9a825"}
-    w = 0.8 / len(MAIN_MODES)
-    for i, mode in enumerate(MAIN_MODES):
+              "tuned+fp16": "#f9a825", "autotuned": "#6a1b9a"}
+    w = 0.8 / len(main)
+    for i, mode in enumerate(main):
         xs, ys = [], []
         for j, wl in enumerate(workloads):
             r = by.get((wl, mode))
             if r and r["vs_gloo"]:
-                xs.append(j + (i - (len(MAIN_MODES) - 1) / 2) * w)
+                xs.append(j + (i - (len(main) - 1) / 2) * w)
                 ys.append(r["vs_gloo"])
         lo, hi = [], []
         for j, wl in enumerate(workloads):

@@ -285,11 +285,11 @@ def parse_modes(spec: str, workload: Workload, baseline_backend: str) -> List[tu
             kind, backend = "baseline", baseline_backend
         elif base.startswith("baseline-"):
             kind, backend = "baseline", base[len("baseline-"):]
-        elif base in ("coarse", "tuned") or base in workload.modes_extra:
+        elif base in ("coarse", "tuned", "autotuned") or base in workload.modes_extra:
             kind = base
         else:
             raise ValueError(f"{workload.name}: unknown mode {base!r} (expected baseline, "
-                             f"baseline-<backend>, coarse, tuned"
+                             f"baseline-<backend>, coarse, tuned, autotuned"
                              + "".join(f", {m}" for m in workload.modes_extra) + ")")
         label = (f"baseline-{backend}" if kind == "baseline" else kind) + \
             (f"+{variant}" if variant else "")
@@ -336,6 +336,8 @@ def init_kwargs(kind: str, backend: Optional[str], ops: Sequence[str], table: Op
         return {"op_backends": dict(coarse or {})}
     if kind == "tuned":
         return {"tuning_table": table}
+    if kind == "autotuned":  # learns from the run's own calls: no table
+        return {"autotune": True}
     return {}
 
 
@@ -402,7 +404,7 @@ def parser(workload: Workload) -> argparse.ArgumentParser:
         description=f"{workload.name} workload on mcrdl "
                     f"(run with `mcrdl run -n 2 examples/workloads/{workload.name}.py`)")
     p.add_argument("--mode", default="tuned",
-                   help="baseline | baseline-<backend> | coarse | tuned"
+                   help="baseline | baseline-<backend> | coarse | tuned | autotuned"
                         + "".join(f" | {m}" for m in workload.modes_extra)
                         + ", optionally +variant, or a comma list; 'all' = baseline-gloo,"
                           "baseline-mpi,coarse,tuned (default: tuned)")
@@ -486,6 +488,8 @@ def run_mode(workload: Workload, args, label: str, kind: str, backend: Optional[
         losses, step_s, comm_s, prof = [], [], [], []
         for i in range(args.warmup):
             losses.append(workload.step(i))
+        tuned = mcrdl.autotune_report()
+        exploring = None if tuned is None else sum(r["winner"] is None for r in tuned["buckets"])
         timer.take(0, 0)
         mcrdl.barrier()
         for i in range(args.warmup, args.warmup + args.steps):
@@ -501,6 +505,8 @@ def run_mode(workload: Workload, args, label: str, kind: str, backend: Optional[
         profile = _profile(prof)
         mine = {"losses": losses, "step_s": step_s, "comm_s": comm_s,
                 "digest": _digest(workload.parameters())}
+        if tuned is not None:  # what autotune tried, and what was still exploring after the warm-up
+            mine["autotune"] = {**mcrdl.autotune_report(), "exploring_after_warmup": exploring}
         workload.teardown()
         ranks = gather_json(mine)
     finally:
@@ -513,7 +519,8 @@ def run_mode(workload: Workload, args, label: str, kind: str, backend: Optional[
             "init": {k: v for k, v in kwargs.items() if k != "tuning_table"},
             "losses": [r["losses"] for r in ranks], "digest": [r["digest"] for r in ranks],
             "step_s": slowest, "rank_step_s": [r["step_s"] for r in ranks],
-            "rank_comm_s": [r["comm_s"] for r in ranks], "profile": profile}
+            "rank_comm_s": [r["comm_s"] for r in ranks], "profile": profile,
+            **({"autotune": [r["autotune"] for r in ranks]} if "autotune" in ranks[0] else {})}
 
 
 def _close(a: float, b: float, rtol: float, atol: float) -> bool:
