@@ -378,13 +378,13 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
         picked, timing = tuner.pick(rt, g, op, nbytes, device,
                                     lambda n: sel.why_not(n, op, device, ref.dtype, reduce_op) is None)
         name = picked or name
-        if async_op:  # completion is seen only at the user's wait: not timed
-            timing = None
     engine = rt.engine
     if rt.logger is not None:
         elem = ref.element_size()
         post = [rt.logger.begin(op, name, g, nbytes, async_op, peer,
                                 None if counts is None else [c * elem for c in counts]), *post]
+    if async_op:  # not timed: see mcrdl.autotune
+        timing = None
     began = 0.0 if timing is None else time.perf_counter()
     try:
         pending = start(rt.backends[name], g.handles[name])

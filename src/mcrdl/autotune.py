@@ -6,18 +6,27 @@ run on each live backend able to take them in turn: one warm-up call, then
 ``calls`` timed ones, per backend. The call after the last of them agrees on
 the winner: every member contributes its median per backend, the group takes
 the minimum per backend (the member that arrives last waits least: its time
-is the op's, the others' include waiting for it), and the fastest backend wins; the seed (the tuning table's choice, else the default
-backend) keeps the bucket unless another measures ``margin`` faster. The
-choice is then frozen, and the fast paths plan with it.
+is the op's, the others' include waiting for it), and the fastest backend
+wins; the seed (the tuning table's choice, else the default backend) keeps
+the bucket unless another measures ``margin`` faster. The choice is then
+frozen, and the fast paths plan with it.
 
 Every member picks the same backend for the same call without talking: the
 schedule depends only on how many calls of the bucket the group has made,
 which is the same on every member because collectives are called in the same
-order everywhere. The agreement is itself a collective of the group at a call
-every member reaches. Async calls run on their slot's backend but are not
-timed (their completion is seen only at the user's wait); a bucket whose
-calls were all async keeps its seed. Point-to-point is not explored (a send's
-and its receive's call counts differ); it is selected as without autotune.
+order everywhere (whether a member calls sync or async does not matter). The
+agreement is itself a collective of the group at a call every member reaches.
+
+Blocking calls are timed, from start to return. Async calls run on their
+slot's backend (so the schedule holds however each member calls) but are not
+timed: the time until an overlapped op is seen complete is not its cost to the
+step. Measured on the DDP workload (docs/autotune.md): timed to when the
+progress engine first saw completion, the 1 MiB gradient bucket measured gloo
+1.7 ms and MPI 2.9 ms (MPI's nonblocking ops progress only when polled, gloo's
+in its own threads) and picked gloo, and steps got 30% slower than on MPI. A
+bucket only ever called async keeps its seed. Point-to-point is not explored
+(a send's and its receive's call counts differ); it is selected as without
+autotune.
 """
 from __future__ import annotations
 
