@@ -158,6 +158,27 @@ def test_demo_end_to_end(tmp_path, table):
     assert (out / "demo.png").stat().st_size > 10000
 
 
+def test_demo_autotuned_mode_runs_without_the_quick_tune(tmp_path):
+    """`mcrdl demo --modes ...,autotuned`: no mode needs a table, so no tune;
+    every autotuned run records what it learned, finished within the warm-up."""
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "mcrdl.cli", "demo", "--workloads", "moe,dlrm", "--modes",
+           "baseline-gloo,autotuned", "--steps", "2", "--warmup", "10", "--rounds", "1", "--out", str(out),
+           "--timeout", "300"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=330, cwd=tmp_path)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    assert "quick tune" not in log and not (out / "table.json").exists()
+    assert "agree across modes: yes" in log
+    for name in ("moe", "dlrm"):
+        doc = json.loads((out / f"{name}.json").read_text())
+        assert_identical(doc)
+        run = next(r for r in doc["runs"] if r["mode"] == "autotuned")
+        for rank in run["autotune"]:
+            assert rank["exploring_after_warmup"] == 0, rank
+            assert {b["op"] for b in rank["buckets"]} >= {"all_reduce", "all_to_all"}, rank
+
+
 # -- unit tests of the runner (no job) ------------------------------------------------------
 def test_parse_modes_and_variants():
     from mcrdl.workloads.common import parse_modes
@@ -172,6 +193,7 @@ def test_parse_modes_and_variants():
         parse_modes("tuned+fused", moe, "gloo")
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("torch", moe, "gloo")
+    assert parse_modes("autotuned", moe, "gloo") == [("autotuned", "autotuned", None, None)]
 
 
 def test_coarse_map_from_table_majority():

@@ -2,14 +2,15 @@
 
 For each group, op class and size bucket (powers of two: bucket ``b`` holds
 messages of ``2**(b-1)`` to ``2**b - 1`` bytes), the first calls of the job
-run on each live backend able to take them in turn: one warm-up call, then
-``calls`` timed ones, per backend. The call after the last of them agrees on
-the winner: every member contributes its median per backend, the group takes
-the minimum per backend (the member that arrives last waits least: its time
-is the op's, the others' include waiting for it), and the fastest backend
-wins; the seed (the tuning table's choice, else the default backend) keeps
-the bucket unless another measures ``margin`` faster. The choice is then
-frozen, and the fast paths plan with it.
+run on each live backend able to take them, interleaved (one call on each in
+turn, so a slow first call at a new size or a change of load hits every
+backend alike): one warm-up round, then ``calls`` timed rounds. The call
+after the last of them agrees on the winner: every member contributes its
+median per backend, the group takes the minimum per backend (the member that
+arrives last waits least: its time is the op's, the others' include waiting
+for it), and the fastest backend wins; the seed (the tuning table's choice,
+else the default backend) keeps the bucket unless another measures
+``margin`` faster. The choice is then frozen, and the fast paths plan with it.
 
 Every member picks the same backend for the same call without talking: the
 schedule depends only on how many calls of the bucket the group has made,
@@ -78,7 +79,7 @@ class Autotuner:
             raise ValueError(f"autotune: calls must be >= 1 and warm-up >= 0, got {calls}, {warmup}")
         self.selector = selector
         self.calls, self.warmup, self.margin, self.save_path = calls, warmup, margin, save
-        self.slots = warmup + calls
+        self.rounds = warmup + calls  # exploration rounds: one call on each candidate
         self.state: dict[str, dict[tuple, Bucket]] = {}  # group name -> (class, device, bucket) -> Bucket
         self.sizes: dict[str, int] = {}  # group name -> size
         self.excess_s = 0.0  # this rank's timed calls on losers, beyond the winner's median
@@ -127,15 +128,15 @@ class Autotuner:
             b = buckets[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
         if b.winner is not None:
             return (b.winner if runnable(b.winner) else None), None
-        slot, within = divmod(b.calls, self.slots)
+        rnd, slot = divmod(b.calls, len(b.candidates))
         b.calls += 1
-        if slot == len(b.candidates):
+        if rnd == self.rounds:
             self._agree(rt, g, b)
             return (b.winner if runnable(b.winner) else None), None
         name = b.candidates[slot]
         if not runnable(name):  # e.g. a dtype only some backends take: not timed
             return None, None
-        return name, (b if within >= self.warmup else None)
+        return name, (b if rnd >= self.warmup else None)
 
     def record(self, b: Bucket, name: str, seconds: float) -> None:
         b.times[name].append(seconds)
@@ -189,7 +190,7 @@ class Autotuner:
         if b is None:
             return "autotune: not called yet (the next calls explore)"
         if b.winner is None:
-            return f"autotune: exploring ({b.calls} of {len(b.candidates) * self.slots} calls)"
+            return f"autotune: exploring ({b.calls} of {len(b.candidates) * self.rounds} calls)"
         us = ", ".join(f"{c} {'-' if t is None else f'{t:.1f} us'}" for c, t in b.agreed.items())
         return f"autotune: {b.how}" + (f" ({us})" if us else "")
 

@@ -87,7 +87,7 @@ def ops():
     between (not explored), then the fast paths plan with the winners."""
     ranks = list(range(world))
     for numel in EDGES:
-        for i in range(2 * (tuner.slots + 1)):  # enough calls to explore every bucket
+        for i in range(2 * (tuner.rounds + 1)):  # enough calls to explore every bucket
             run_ops(None, ranks, numel, i, async_op=i % 3 == 1)
             x = torch.full((numel,), float(i))
             if rank == 0:
@@ -109,7 +109,7 @@ def ops():
 def one_sided():
     """Rank 0 has an outstanding isend (general path), rank 1 does not (fast
     path): both must still follow the same exploration schedule."""
-    for i in range(3 * tuner.slots):
+    for i in range(3 * tuner.rounds):
         t = torch.full((64,), float(rank))
         w = mcrdl.isend(torch.ones(8) * i, 1) if rank == 0 else None
         mcrdl.all_reduce(t)
@@ -132,7 +132,7 @@ def disagree():
     slow = "mpi" if rank == 0 else "gloo"
     real = tuner.record
     tuner.record = lambda b, name, s: real(b, name, s * (1000 if name == slow else 1))
-    for i in range(3 * tuner.slots):
+    for i in range(3 * tuner.rounds):
         t = torch.full((16,), 1.0)
         mcrdl.all_reduce(t)
         check(torch.equal(t, torch.full((16,), float(world))), "all_reduce", i)
@@ -142,7 +142,7 @@ def disagree():
 def slow_rank():
     """Rank 1 arrives late at every call, by a random delay."""
     rng = random.Random(rank)
-    for i in range(3 * tuner.slots):
+    for i in range(3 * tuner.rounds):
         if rank == 1:
             time.sleep(rng.random() * 0.002)
         run_ops(None, list(range(world)), 100, i)
@@ -153,7 +153,7 @@ def subgroups():
     """Calls on overlapping subgroups interleave differently on each rank."""
     lo, hi, tail = mcrdl.new_group([0, 1]), mcrdl.new_group([2, 3]), mcrdl.new_group([1, 2, 3])
     mine = [(g, r) for g, r in ((lo, [0, 1]), (hi, [2, 3]), (tail, [1, 2, 3])) if rank in r]
-    for i in range(2 * (2 * tuner.slots + 1)):  # two sizes, each explored to the end
+    for i in range(2 * (2 * tuner.rounds + 1)):  # two sizes, each explored to the end
         for g, r in (mine if i % 3 else mine[::-1]):
             run_ops(g, r, 255 + (i % 2), i)
         run_ops(None, list(range(world)), 64, i)
@@ -166,7 +166,7 @@ def uneven():
     """all_to_all_single with per-rank sizes in different buckets (ranks agree
     on the size first)."""
     rng = random.Random(7)
-    for i in range(4 * tuner.slots):
+    for i in range(4 * tuner.rounds):
         rows = [[rng.choice((1, 200, 300, 1100)) for _ in range(world)] for _ in range(world)]
         send = rows[rank]  # rows[s][d]: what s sends to d
         recv = [rows[s][rank] for s in range(world)]
