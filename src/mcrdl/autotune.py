@@ -64,7 +64,7 @@ class Bucket:
     def __init__(self, candidates: tuple[str, ...]):
         self.candidates = candidates  # the seed first
         self.calls = 0
-        self.times: dict[str, list[float]] = {c: [] for c in candidates}
+        self.times: dict[str, dict[int, float]] = {c: {} for c in candidates}  # round -> seconds
         self.winner: Optional[str] = candidates[0] if len(candidates) == 1 else None
         self.agreed: dict[str, Optional[float]] = {}  # backend -> group's median, µs (None: unmeasured)
         self.how = "only backend able to run it" if self.winner else "exploring"
@@ -139,7 +139,8 @@ class Autotuner:
         return name, (b if rnd >= self.warmup else None)
 
     def record(self, b: Bucket, name: str, seconds: float) -> None:
-        b.times[name].append(seconds)
+        """The time of the call :meth:`pick` just gave ``b`` for (it is in the round it counted)."""
+        b.times[name][(b.calls - 1) // len(b.candidates)] = seconds
 
     def _candidates(self, cls: str, size: int, device: str, bkt: int) -> tuple[str, ...]:
         sel = self.selector
@@ -152,32 +153,55 @@ class Autotuner:
         return tuple(dict.fromkeys(([seed] if seed in live else []) + live))
 
     def _agree(self, rt, g, b: Bucket) -> None:
-        """Freeze ``b`` on the backend the group measured fastest (a collective of ``g``)."""
-        mine = [-int(statistics.median(b.times[c]) * 1e9) if b.times[c] else -UNMEASURED
-                for c in b.candidates]
-        group = [-t for t in rt.control_max(g, mine)]  # the minimum over members
+        """Freeze ``b`` (a collective of ``g``). Per backend the group takes the
+        minimum over members of their medians; a backend other than the seed
+        wins only if that is ``margin`` below the seed's and, on every member,
+        it beat the seed in every round both were timed in (at least 2): calls
+        of one round ran back to back, so a burst of load or a slow first call
+        is no win. Otherwise the seed stays."""
+        seed, n = b.candidates[0], len(b.candidates)
+        medians = [-int(statistics.median(b.times[c].values()) * 1e9) if b.times[c] else -UNMEASURED
+                   for c in b.candidates]
+        verdicts = [-int(self._beats_every_round(b, c)) for c in b.candidates]
+        both = rt.control_max(g, medians + verdicts)  # negated: the minimum over members
+        group = [-t for t in both[:n]]
+        clear_everywhere = [t == -1 for t in both[n:]]
         b.agreed = {c: (None if t >= UNMEASURED else t / 1e3) for c, t in zip(b.candidates, group)}
-        seed, best = b.candidates[0], min(zip(group, b.candidates))
+        best = min(zip(group, b.candidates))
         if best[0] >= UNMEASURED:
             b.winner, b.how = seed, "kept the seed: no call was timed (async calls only)"
-        elif best[1] != seed and group[0] < UNMEASURED and best[0] > group[0] * (1 - self.margin):
-            b.winner, b.how = seed, f"kept the seed: {best[1]} was less than {self.margin:.0%} faster"
-        else:
+        elif group[0] >= UNMEASURED or best[1] == seed:  # (the seed could not run these calls)
             b.winner, b.how = best[1], "measured fastest"
+        else:
+            ok = [(t, c) for t, c, clear in zip(group, b.candidates, clear_everywhere)
+                  if c != seed and clear and t < group[0] * (1 - self.margin)]
+            if ok:
+                b.winner, b.how = min(ok)[1], "measured fastest, in every round on every rank"
+            else:
+                b.winner, b.how = seed, (f"kept the seed: {best[1]} was not {self.margin:.0%} faster, or not "
+                                         "in every round on every rank")
         if b.times[b.winner]:
-            best_s = statistics.median(b.times[b.winner])
-            self.excess_s += sum(t - best_s for c in b.candidates if c != b.winner for t in b.times[c])
+            best_s = statistics.median(b.times[b.winner].values())
+            self.excess_s += sum(t - best_s for c in b.candidates if c != b.winner for t in b.times[c].values())
+
+    def _beats_every_round(self, b: Bucket, c: str) -> bool:
+        """Was ``c`` faster than the seed in every round (at least 2) both were timed in here?"""
+        seed = b.times[b.candidates[0]]
+        rounds = [r for r in b.times[c] if r in seed]
+        return len(rounds) >= 2 and all(b.times[c][r] < seed[r] for r in rounds)
 
     # -- reporting -------------------------------------------------------------------
     def report(self) -> list[dict]:
         """One row per explored bucket: group, op class, sizes, what each backend
-        measured (group median, µs), the winner and why."""
+        measured (``us``: the group's agreed median; ``mine_us``: this rank's
+        timed calls), the winner and why."""
         rows = []
         for gname, buckets in self.state.items():
             for (cls, device, bkt), b in sorted(buckets.items()):
                 lo, hi = bucket_bounds(bkt)
                 rows.append({"group": gname, "group_size": self.sizes[gname], "op": cls, "device": device,
                              "min_bytes": lo, "max_bytes": hi, "calls": b.calls, "us": b.agreed,
+                             "mine_us": {c: [round(t * 1e6, 1) for t in ts.values()] for c, ts in b.times.items()},
                              "winner": b.winner, "how": b.how})
         return rows
 
