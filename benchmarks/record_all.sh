@@ -33,3 +33,4 @@ run $BIN/python benchmarks/frameworks_steptime.py --rounds 3 | tee $OUT/framewor
 run $BIN/python benchmarks/model_validation.py --runs 8 --steps 10 --warmup 2 | tee $OUT/model_validation.log
 run $BIN/python -m pytest -s -v -p no:cacheprovider tests/test_faults.py | tee $OUT/faults.txt
 run $BIN/python -m pytest -q -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz.py | tee $OUT/fuzz.txt
+run $BIN/python benchmarks/autotune.py --rounds 5 --steps 10 | tee $OUT/autotune.txt

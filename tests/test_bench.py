@@ -428,3 +428,20 @@ def test_layers_benchmark_gives_equal_results_and_records_every_cell(tmp_path):
            "send/recv"]
     assert cells == {(layer, op, b) for layer in ("gloo", "torch") for op in ops for b in (4, 1024)}
     assert all(r["torch_alone_us"] > 0 for r in doc["results"] if r["layer"] == "torch")
+
+
+# -- benchmarks/autotune.py ------------------------------------------------------------------
+def test_autotune_benchmark_records_both_conditions(tmp_path):
+    """Idle and one-core-busy demos, every workload; every autotuned run
+    finished exploring within the warm-up and says what it learned."""
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "autotune.py", "--rounds", "1", "--steps", "1",
+                           "--warmup", "10", "--out", tmp_path / "autotune", "--runs", tmp_path / "runs"],
+                          capture_output=True, text=True, timeout=900)
+    ok(proc)
+    doc = json.loads((tmp_path / "autotune.json").read_text())
+    assert set(doc["conditions"]) == {"idle", "one core busy"}
+    for rows in doc["conditions"].values():
+        assert {r["workload"] for r in rows} == {"moe", "dlrm", "megatron", "megatron-sp", "ddp"}
+        for r in rows:
+            assert r["exploring_after_warmup"] == 0 and r["autotuned"] > 0 and r["tuned"] > 0, r
+            assert all(b["winner"] in ("mpi", "gloo") for b in r["buckets_learned"] if b["op"] != "barrier"), r
