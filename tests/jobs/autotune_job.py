@@ -82,12 +82,20 @@ def same_winners(group, ranks, done=True):
     return mine
 
 
+def exploring(group=None):
+    """Buckets of ``group`` (default: the world) not decided yet (the same on every member)."""
+    name = (group or api._runtime.world).name
+    return sum(r["winner"] is None and r["op"] != "barrier" for r in tuner.report() if r["group"] == name)
+
+
 def ops():
     """Every collective, sync and async, sizes straddling bucket edges, p2p in
     between (not explored), then the fast paths plan with the winners."""
     ranks = list(range(world))
     for numel in EDGES:
-        for i in range(2 * (tuner.rounds + 1)):  # enough calls to explore every bucket
+        i = 0
+        while i < 2 or exploring():  # until every bucket seen is decided
+            check(i < 400, "exploration does not end", tuner.report())
             run_ops(None, ranks, numel, i, async_op=i % 3 == 1)
             x = torch.full((numel,), float(i))
             if rank == 0:
@@ -95,6 +103,7 @@ def ops():
             elif rank == 1:
                 mcrdl.recv(x, 0)
                 check(torch.equal(x, torch.full((numel,), i + 1.0)), "p2p")
+            i += 1
     won = same_winners(api._runtime.world, ranks)
     check(len(won) >= 4 * 3, "too few buckets explored", won)
     # a frozen bucket runs on its fast path, with the winner's plan
@@ -109,7 +118,10 @@ def ops():
 def one_sided():
     """Rank 0 has an outstanding isend (general path), rank 1 does not (fast
     path): both must still follow the same exploration schedule."""
-    for i in range(3 * tuner.rounds):
+    i = 0
+    while i < 2 or exploring():
+        check(i < 400, "exploration does not end", tuner.report())
+        i += 1
         t = torch.full((64,), float(rank))
         w = mcrdl.isend(torch.ones(8) * i, 1) if rank == 0 else None
         mcrdl.all_reduce(t)
@@ -142,10 +154,13 @@ def disagree():
 def slow_rank():
     """Rank 1 arrives late at every call, by a random delay."""
     rng = random.Random(rank)
-    for i in range(3 * tuner.rounds):
+    i = 0
+    while i < 2 or exploring():
+        check(i < 400, "exploration does not end", tuner.report())
         if rank == 1:
             time.sleep(rng.random() * 0.002)
         run_ops(None, list(range(world)), 100, i)
+        i += 1
     same_winners(api._runtime.world, list(range(world)))
 
 
@@ -153,10 +168,13 @@ def subgroups():
     """Calls on overlapping subgroups interleave differently on each rank."""
     lo, hi, tail = mcrdl.new_group([0, 1]), mcrdl.new_group([2, 3]), mcrdl.new_group([1, 2, 3])
     mine = [(g, r) for g, r in ((lo, [0, 1]), (hi, [2, 3]), (tail, [1, 2, 3])) if rank in r]
-    for i in range(2 * (2 * tuner.rounds + 1)):  # two sizes, each explored to the end
+    i = 0
+    while i < 2 or any(exploring(g) for g, _ in mine) or exploring():
+        check(i < 600, "exploration does not end", tuner.report())
         for g, r in (mine if i % 3 else mine[::-1]):
             run_ops(g, r, 255 + (i % 2), i)
         run_ops(None, list(range(world)), 64, i)
+        i += 1
     for g, r in mine:
         same_winners(g, r)
     same_winners(api._runtime.world, list(range(world)))
