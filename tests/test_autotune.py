@@ -12,12 +12,18 @@ from mcrdl.backends import REGISTRY
 from mcrdl.tuning import TuningTable
 
 
-@pytest.mark.parametrize("case", ["ops", "one_sided", "disagree", "slow_rank", "uneven"])
+@pytest.mark.parametrize("case", ["ops", "one_sided", "disagree", "slow_rank", "uneven", "reused"])
 def test_autotune_two_ranks(case):
-    """one_sided hangs and disagree deadlocks without their fixes (plans kept
-    while exploring; winners agreed on by the group)."""
+    """one_sided hangs and disagree and reused deadlock without their fixes
+    (plans kept while exploring; winners agreed on by the group; state per
+    group object, not per name)."""
     out = run_job(2, "autotune_job.py", case, timeout=240)
     assert out.count(f"{case} OK") == 2, out[-3000:]
+
+
+def test_debug_mode_names_a_drifted_schedule():
+    out = run_job(2, "autotune_job.py", "debug_divergence", timeout=120, env={"MCRDL_DEBUG": "1"})
+    assert out.count("debug_divergence OK") == 2, out[-3000:]
 
 
 @pytest.mark.parametrize("case", ["subgroups", "ops"])
@@ -85,14 +91,40 @@ class _Sel:
     table, default, static = None, "mpi", {}
 
 
+def test_saved_rules_keep_the_seed_table_outside_the_learned_buckets():
+    seed = TuningTable.from_dict({"format": "mcrdl-tuning/1", "rules": {
+        "all_reduce": {"2": [{"max_bytes": 65535, "backend": "mpi"}, {"max_bytes": None, "backend": "gloo"}]},
+        "broadcast": {"2": [{"max_bytes": None, "backend": "gloo"}]}}}, REGISTRY)
+
+    class Seeded(_Sel):
+        table = seed
+
+    tuner = Autotuner(Seeded())
+    buckets = {}
+    tuner.groups = [("world", 2, buckets)]
+    k = Bucket(("mpi", "gloo"))
+    k.winner, k.agreed, k.how = "gloo", {"mpi": 2.0, "gloo": 1.0}, "measured fastest"
+    buckets[("all_reduce", "cpu", 11)] = k  # 1024-2047 B learned: gloo
+    doc = tuner.table(2)
+    assert doc["rules"]["all_reduce"]["2"] == [{"max_bytes": 1023, "backend": "mpi"},
+                                               {"max_bytes": 2047, "backend": "gloo"},
+                                               {"max_bytes": 65535, "backend": "mpi"},
+                                               {"max_bytes": None, "backend": "gloo"}]
+    assert doc["rules"]["broadcast"] == {"2": [{"max_bytes": None, "backend": "gloo"}]}  # not learned: kept
+    table = TuningTable.from_dict(json.loads(json.dumps(doc)), REGISTRY)
+    assert table.learned("all_reduce", 2, 1500).startswith("learned in-situ by group world: mpi 2.0 us")
+    assert table.learned("all_reduce", 2, 4000) is None
+
+
 def test_saved_rules_merge_buckets_and_cover_every_size():
     tuner = Autotuner(_Sel())
-    tuner.sizes = {"world": 2}
+    buckets = {}
+    tuner.groups = [("world", 2, buckets)]
     winners = {3: "gloo", 11: "mpi", 12: "mpi", 20: "gloo"}
     for b, w in winners.items():
         k = Bucket(("mpi", "gloo"))
         k.winner, k.agreed, k.how = w, {"mpi": 1.0, "gloo": 2.0}, "measured fastest"
-        tuner.state.setdefault("world", {})[("all_reduce", "cpu", b)] = k
+        buckets[("all_reduce", "cpu", b)] = k
     doc = tuner.table(2)
     assert doc["rules"] == {"all_reduce": {"2": [{"max_bytes": 7, "backend": "gloo"},
                                                  {"max_bytes": 4095, "backend": "mpi"},

@@ -370,7 +370,8 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
         name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
     elif rt.debug and collective:
         _fingerprint(rt, g, op, name, dtype=str(ref.dtype), device=device, shape=invariant,
-                     explicit=explicit)
+                     explicit=explicit, **({} if tuner is None else
+                                           {"autotune": tuner.peek(g, op, nbytes, device)}))
     if nbytes == 0 and skip_empty:
         return _skip(rt, op, async_op, result)
     timing = None  # the autotune bucket this call is timed for
@@ -972,20 +973,21 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
 
 def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.Tensor,
                      backend: Optional[str], even: bool):
-    """(backend name, start, elements per row) for the fast path, or False
-    where the general path must run (ranks must agree on the size first)."""
+    """(backend name, start, elements per row) for the fast path; False where
+    the general path must run (ranks must agree on the size first), None while
+    autotune explores the bucket."""
     op = "all_to_all_single"
     _check(op, output, "output")
     _check(op, input, "input")
     _same_kind(op, input, output, "output")
     row = _row_elements(op, input, output)
-    if even:
+    if even:  # the same size on every rank: no agreement
         _even_rows(op, _splits(op, "input", input, None, g.size), _splits(op, "output", output, None, g.size))
-    if rt.selector.needs_agreement(op, g.size, backend) or (rt.autotune is not None
-                                                             and rt.autotune.explores(op, backend)):
+    elif rt.selector.needs_agreement(op, g.size, backend) or (rt.autotune is not None
+                                                               and rt.autotune.explores(op, backend)):
         return False
-    name = rt.selector.choose(op, input.nbytes, g.size, "cpu", input.dtype, None, backend)
-    return name, rt.backends[name].starter(op, g.handles[name], g.timeout, (output, input)), row
+    name = _planned(rt, g, op, input.nbytes, input.dtype, None, backend)
+    return name and (name, rt.backends[name].starter(op, g.handles[name], g.timeout, (output, input)), row)
 
 
 def _counts(splits, size: int, t: torch.Tensor, row: int) -> Optional[list]:
@@ -1046,7 +1048,7 @@ def _all_to_all_single(output, input, output_split_sizes, input_split_sizes, gro
                    lambda b, h: b.all_to_all_single(h, out, inp, *counts),
                    reads=(input,), writes=(output,), post=post, result=[output],
                    invariant={"row": list(input.shape[1:]), "split sizes": "none" if even else "given"},
-                   agree=True, skip_empty=False, counts=in_counts)
+                   agree=not even, skip_empty=False, counts=in_counts)
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],

@@ -31,6 +31,7 @@ autotune.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -80,8 +81,7 @@ class Autotuner:
         self.selector = selector
         self.calls, self.warmup, self.margin, self.save_path = calls, warmup, margin, save
         self.rounds = warmup + calls  # exploration rounds: one call on each candidate
-        self.state: dict[str, dict[tuple, Bucket]] = {}  # group name -> (class, device, bucket) -> Bucket
-        self.sizes: dict[str, int] = {}  # group name -> size
+        self.groups: list[tuple[str, int, dict]] = []  # (name, size, Group.tuned) of every group explored
         self.excess_s = 0.0  # this rank's timed calls on losers, beyond the winner's median
 
     @staticmethod
@@ -112,7 +112,7 @@ class Autotuner:
         cls = OP_CLASS[op]
         if cls not in EXPLORED or cls in self.selector.static:
             return chosen
-        b = self.state.get(g.name, {}).get((cls, device, bucket(nbytes)))
+        b = g.tuned.get((cls, device, bucket(nbytes)))
         return None if b is None else b.winner
 
     def pick(self, rt, g, op: str, nbytes: int, device: str, runnable) -> tuple[str, Optional[Bucket]]:
@@ -121,11 +121,11 @@ class Autotuner:
         timed). ``runnable(name)``: can this backend run this call."""
         cls = OP_CLASS[op]
         key = (cls, device, bucket(nbytes))
-        buckets = self.state.setdefault(g.name, {})
-        self.sizes[g.name] = g.size
-        b = buckets.get(key)
+        b = g.tuned.get(key)
         if b is None:
-            b = buckets[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
+            if not g.tuned:
+                self.groups.append((g.name, g.size, g.tuned))
+            b = g.tuned[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
         if b.winner is not None:
             return (b.winner if runnable(b.winner) else None), None
         rnd, slot = divmod(b.calls, len(b.candidates))
@@ -149,7 +149,7 @@ class Autotuner:
             seed = sel.table.lookup(cls, size, bucket_bounds(bkt)[0])
         if seed is None:
             seed = sel.default
-        live = [n for n, be in sel.live.items() if device in be.devices]
+        live = sorted(n for n, be in sel.live.items() if device in be.devices)  # one order on every rank
         return tuple(dict.fromkeys(([seed] if seed in live else []) + live))
 
     def _agree(self, rt, g, b: Bucket) -> None:
@@ -196,21 +196,26 @@ class Autotuner:
         measured (``us``: the group's agreed median; ``mine_us``: this rank's
         timed calls), the winner and why."""
         rows = []
-        for gname, buckets in self.state.items():
+        for gname, size, buckets in self.groups:
             for (cls, device, bkt), b in sorted(buckets.items()):
                 lo, hi = bucket_bounds(bkt)
-                rows.append({"group": gname, "group_size": self.sizes[gname], "op": cls, "device": device,
+                rows.append({"group": gname, "group_size": size, "op": cls, "device": device,
                              "min_bytes": lo, "max_bytes": hi, "calls": b.calls, "us": b.agreed,
                              "mine_us": {c: [round(t * 1e6, 1) for t in ts.values()] for c, ts in b.times.items()},
                              "winner": b.winner, "how": b.how})
         return rows
+
+    def peek(self, g, op: str, nbytes: int, device: str) -> str:
+        """This call's place in its bucket's schedule, for debug mode's cross-rank check."""
+        b = g.tuned.get((OP_CLASS[op], device, bucket(nbytes)))
+        return "new" if b is None else (b.winner or f"call {b.calls}")
 
     def describe(self, g, op: str, nbytes: int, device: str = "cpu") -> Optional[str]:
         """What autotune did for this call's bucket (None: it does not decide it)."""
         cls = OP_CLASS[op]
         if cls not in EXPLORED or cls in self.selector.static:
             return None
-        b = self.state.get(g.name, {}).get((cls, device, bucket(nbytes)))
+        b = g.tuned.get((cls, device, bucket(nbytes)))
         if b is None:
             return "autotune: not called yet (the next calls explore)"
         if b.winner is None:
@@ -219,33 +224,29 @@ class Autotuner:
         return f"autotune: {b.how}" + (f" ({us})" if us else "")
 
     def table(self, world_size: int) -> dict:
-        """What was learned, as a tuning table (``MCRDL_TUNING_TABLE`` next run).
+        """What was learned, as a tuning table (``MCRDL_TUNING_TABLE`` next run):
+        the seed table with the learned buckets written over it; where there is
+        no seed, a size between learned buckets takes the next bucket above.
         Groups of one size share rules: the first group learned wins a bucket."""
-        rules: dict[str, dict[str, dict[int, str]]] = {}
+        learned: dict[tuple[str, int], dict[tuple[int, int], str]] = {}
         for row in self.report():
-            if row["device"] != "cpu" or row["winner"] is None:
-                continue
-            by_size = rules.setdefault(row["op"], {}).setdefault(str(row["group_size"]), {})
-            by_size.setdefault(row["max_bytes"], row["winner"])
-        out: dict = {}
-        for op, by_size in rules.items():
-            for size, buckets in by_size.items():
-                rs: list[dict] = []
-                for hi, name in sorted(buckets.items()):
-                    if rs and rs[-1]["backend"] == name:
-                        rs[-1]["max_bytes"] = hi
-                    else:
-                        rs.append({"max_bytes": hi, "backend": name})
-                rs[-1]["max_bytes"] = None
-                out.setdefault(op, {})[size] = rs
+            if row["device"] == "cpu" and row["winner"] is not None:
+                learned.setdefault((row["op"], row["group_size"]), {}).setdefault(
+                    (row["min_bytes"], row["max_bytes"]), row["winner"])
+        seed = self.selector.table
+        rules = copy.deepcopy(seed.to_dict()["rules"]) if seed is not None else {}
+        for (op, size), ranges in learned.items():
+            base = seed.rules_for(op, size) if seed is not None else None
+            rules.setdefault(op, {})[str(size)] = _overlay(base, ranges)
         return {"format": FORMAT,
                 "metadata": {"learned": "in-situ autotune (MCRDL_AUTOTUNE=1)", "world_size": world_size,
+                             "seed_table": None if seed is None else seed.source,
                              "hosts": [socket.gethostname()],
                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "calls_per_backend": self.calls, "warmup_calls": self.warmup,
                              "margin": self.margin, "exploration_excess_s": round(self.excess_s, 6),
                              "buckets": self.report()},
-                "rules": out}
+                "rules": rules}
 
     def save(self, path: str, world_size: int) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -253,3 +254,28 @@ class Autotuner:
             json.dump(self.table(world_size), f, indent=2)
             f.write("\n")
         os.replace(tmp, path)
+
+
+def _overlay(base: Optional[list[dict]], ranges: dict[tuple[int, int], str]) -> list[dict]:
+    """Rules giving each learned (min_bytes, max_bytes) range its winner and
+    every other size what ``base`` (tuning-table rules) gives it; without a
+    base, the next learned range above, else the largest."""
+    def backend_at(n: int) -> str:
+        for (lo, hi), name in ranges.items():
+            if lo <= n <= hi:
+                return name
+        if base:
+            return next((r["backend"] for r in base if r["max_bytes"] is None or n <= r["max_bytes"]),
+                        base[-1]["backend"])
+        above = [(lo, name) for (lo, _), name in ranges.items() if lo > n]
+        return min(above)[1] if above else max(ranges.items())[1]
+
+    points = sorted({hi for _, hi in ranges} | {lo - 1 for lo, _ in ranges if lo > 0}
+                    | {r["max_bytes"] for r in base or () if r["max_bytes"] is not None})
+    rules: list[dict] = []
+    for limit, name in [(p, backend_at(p)) for p in points] + [(None, backend_at(points[-1] + 1))]:
+        if rules and rules[-1]["backend"] == name:
+            rules[-1]["max_bytes"] = limit
+        else:
+            rules.append({"max_bytes": limit, "backend": name})
+    return rules

@@ -31,7 +31,7 @@ class Group:
     a torch process group behind one object)."""
 
     __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index",
-                 "starters")
+                 "starters", "tuned")
 
     def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
                  owner: "Runtime"):
@@ -46,6 +46,9 @@ class Group:
         self.seq = 0  # collectives issued (debug mode fingerprints)
         #: (nbytes, dtype, backend=) -> (backend chosen, all_reduce starter): the fast path's plans
         self.starters: dict = {}
+        #: autotune's buckets of this group ((class, device, bucket) -> Bucket; mcrdl.autotune). Per
+        #: object, not per name: torch reuses a destroyed group's name for another group.
+        self.tuned: dict = {}
 
     def __repr__(self) -> str:
         return f"<mcrdl.Group {self.name} ranks={list(self.ranks)}>"

@@ -235,13 +235,24 @@ class TuningTable:
         rows = self.metadata.get("buckets")
         for row in rows if isinstance(rows, list) else ():
             try:
-                if (row["op"] == op and row["group_size"] == group_size
-                        and row["min_bytes"] <= nbytes <= row["max_bytes"]):
+                if (row["op"] == op and row["group_size"] == group_size and row["device"] == "cpu"
+                        and row["winner"] is not None and row["min_bytes"] <= nbytes <= row["max_bytes"]):
                     us = ", ".join(f"{b} {'-' if t is None else f'{t:.1f} us'}" for b, t in row["us"].items())
                     return f"learned in-situ by group {row['group']}: {us}; {row['how']}"
-            except (KeyError, TypeError, AttributeError):
-                return None
+            except (KeyError, TypeError, AttributeError):  # not a row autotune wrote
+                continue
         return None
+
+    def rules_for(self, op: str, group_size: int) -> Optional[list[dict]]:
+        """The rules (as written in the file) that lookups of ``op`` at this
+        group size use, or None when the table has none for ``op``."""
+        raw = self.to_dict()["rules"].get(op)
+        if not raw:
+            return None
+        by_size = {int(k): v for k, v in raw.items()}
+        sizes = sorted(by_size)
+        i = bisect.bisect_right(sizes, group_size)
+        return by_size[sizes[i - 1] if i else sizes[0]]
 
     def distinct_backends(self, op: str, group_size: int) -> int:
         """How many different backends the rules for ``op`` at this size use."""

@@ -12,6 +12,7 @@ import torch
 import mcrdl
 from common import check
 from mcrdl import api
+from mcrdl.autotune import bucket_bounds
 
 case = sys.argv[1]
 mcrdl.init_process_group(timeout=30, autotune=True)
@@ -73,8 +74,8 @@ def run_ops(group, ranks, numel, salt, async_op=False):
 def same_winners(group, ranks, done=True):
     """Every member holds the same outcome (or exploration state, unless
     ``done``) for every bucket of ``group``."""
-    mine = [(r["op"], r["min_bytes"], r["winner"], r["us"], r["calls"]) for r in tuner.report()
-            if r["group"] == group.name]
+    mine = [(cls, bucket_bounds(bkt)[0], b.winner, b.agreed, b.calls)
+            for (cls, _, bkt), b in sorted(group.tuned.items())]
     if done and any(w is None for _, _, w, _, _ in mine):
         raise AssertionError(f"bucket still exploring: {mine}")
     rows = api._runtime.control_allgather(group, json.dumps(mine).encode())
@@ -84,8 +85,8 @@ def same_winners(group, ranks, done=True):
 
 def exploring(group=None):
     """Buckets of ``group`` (default: the world) not decided yet (the same on every member)."""
-    name = (group or api._runtime.world).name
-    return sum(r["winner"] is None and r["op"] != "barrier" for r in tuner.report() if r["group"] == name)
+    g = group or api._runtime.world
+    return sum(b.winner is None and b.candidates and key[0] != "barrier" for key, b in g.tuned.items())
 
 
 def ops():
@@ -180,6 +181,46 @@ def subgroups():
     same_winners(api._runtime.world, list(range(world)))
 
 
+def reused():
+    """A destroyed group's name given to another group (torch does: its group
+    names restart at 0 after destroy_process_group) starts with no autotune state."""
+    import torch.distributed as dist
+
+    rt = api._runtime
+    if rank == 0:  # a one-rank group "x" that explores and decides its 256 B all_reduce
+        solo = rt.new_group([0], name="x", store=dist.PrefixStore("solo/", rt.store))
+        for _ in range(3 * tuner.rounds):
+            mcrdl.all_reduce(torch.ones(64), group=solo)
+        check(exploring(solo) == 0, "solo group still exploring")
+        rt.destroy_group(solo)
+    pair = rt.new_group(list(range(world)), name="x", store=dist.PrefixStore("pair/", rt.store))
+    i = 0
+    while i < 2 or exploring(pair):
+        check(i < 100, "exploration does not end", tuner.report())
+        t = torch.full((64,), float(i))
+        mcrdl.all_reduce(t, group=pair)
+        check(torch.equal(t, torch.full((64,), float(i * world))), "all_reduce", i)
+        i += 1
+    same_winners(pair, list(range(world)))
+
+
+def debug_divergence():
+    """Debug mode (MCRDL_DEBUG=1) names a rank whose autotune schedule drifted
+    from the others' instead of hanging."""
+    from mcrdl import CommError
+
+    t = torch.ones(64)
+    mcrdl.all_reduce(t)
+    if rank == 1:
+        next(iter(api._runtime.world.tuned.values())).calls += 1
+    try:
+        mcrdl.all_reduce(t)
+    except CommError as exc:
+        check("collective mismatch" in str(exc) and "autotune" in str(exc), exc)
+    else:
+        raise AssertionError("the drifted schedule was not noticed")
+
+
 def uneven():
     """all_to_all_single with per-rank sizes in different buckets (ranks agree
     on the size first)."""
@@ -197,6 +238,6 @@ def uneven():
 
 
 {"ops": ops, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank, "subgroups": subgroups,
- "uneven": uneven}[case]()
+ "uneven": uneven, "reused": reused, "debug_divergence": debug_divergence}[case]()
 print(f"rank {rank}: {case} OK", flush=True)
 mcrdl.destroy_process_group()
