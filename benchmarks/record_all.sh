@@ -34,3 +34,4 @@ run $BIN/python benchmarks/model_validation.py --runs 8 --steps 10 --warmup 2 | 
 run $BIN/python -m pytest -s -v -p no:cacheprovider tests/test_faults.py | tee $OUT/faults.txt
 run $BIN/python -m pytest -q -p no:cacheprovider --hypothesis-show-statistics tests/test_fuzz.py | tee $OUT/fuzz.txt
 run $BIN/python benchmarks/autotune.py --rounds 5 --steps 10 | tee $OUT/autotune.txt
+run $BIN/python benchmarks/drift.py --out $OUT/drift.json | tee $OUT/drift.txt

@@ -21,6 +21,14 @@ def test_autotune_two_ranks(case):
     assert out.count(f"{case} OK") == 2, out[-3000:]
 
 
+def test_drift_check_opens_a_bucket_again_at_one_call_on_every_rank():
+    """Rank 1 turns 20 ms late: the group re-explores from one call on both
+    ranks, with rank 0 on the general path where rank 1 is on the fast path
+    (hangs if the fast path's calls are not counted)."""
+    out = run_job(2, "autotune_job.py", "drift", timeout=180, env={"MCRDL_AUTOTUNE_DRIFT": "8"})
+    assert out.count("drift OK") == 2, out[-3000:]
+
+
 def test_debug_mode_names_a_drifted_schedule():
     out = run_job(2, "autotune_job.py", "debug_divergence", timeout=120, env={"MCRDL_DEBUG": "1"})
     assert out.count("debug_divergence OK") == 2, out[-3000:]
@@ -60,10 +68,13 @@ def test_torch_backend_ops_under_autotune():
     assert out.count("TORCH BACKEND OPS OK") == 2, out[-3000:]
 
 
-def test_stress_with_autotune():
+@pytest.mark.parametrize("drift", ["0", "4"])
+def test_stress_with_autotune(drift):
     """The randomized mixing program (sync/async, overlapping buffers, explicit
-    and selected backends, a table that seeds exploration) with autotune on."""
-    out = run_job(4, "stress_job.py", 5, 400, timeout=300, env={"MCRDL_AUTOTUNE": "1"})
+    and selected backends, a table that seeds exploration) with autotune on,
+    and with a drift check every 4 calls of each bucket."""
+    out = run_job(4, "stress_job.py", 5, 400, timeout=300,
+                  env={"MCRDL_AUTOTUNE": "1", "MCRDL_AUTOTUNE_DRIFT": drift})
     assert out.count("STRESS OK") == 4, out[-3000:]
 
 
@@ -77,7 +88,13 @@ def test_settings_are_checked_before_anything_starts(monkeypatch):
         Autotuner.settings(None)
     monkeypatch.setenv("MCRDL_AUTOTUNE_CALLS", "5")
     monkeypatch.setenv("MCRDL_AUTOTUNE_SAVE", "/tmp/x.json")
-    assert Autotuner.settings(None) == {"calls": 5, "save": "/tmp/x.json"}
+    assert Autotuner.settings(None) == {"calls": 5, "save": "/tmp/x.json", "drift": 0}
+    for bad in ("1", "-3", "x"):
+        monkeypatch.setenv("MCRDL_AUTOTUNE_DRIFT", bad)
+        with pytest.raises(ValueError, match="MCRDL_AUTOTUNE_DRIFT: expected 0 .off. or a window"):
+            Autotuner.settings(None)
+    monkeypatch.setenv("MCRDL_AUTOTUNE_DRIFT", "100")
+    assert Autotuner.settings(None)["drift"] == 100
     assert Autotuner.settings(False) is None
 
 

@@ -445,3 +445,21 @@ def test_autotune_benchmark_records_both_conditions(tmp_path):
         for r in rows:
             assert r["exploring_after_warmup"] == 0 and r["autotuned"] > 0 and r["tuned"] > 0, r
             assert all(b["winner"] in ("mpi", "gloo") for b in r["buckets_learned"] if b["op"] != "barrier"), r
+
+
+# -- benchmarks/drift.py ---------------------------------------------------------------------
+def test_drift_benchmark_records_every_job(tmp_path):
+    """Idle and loaded jobs, drift check off and on: every job finishes with
+    its step times, its winners, and (idle) its back-to-back call time."""
+    out = tmp_path / "drift.json"
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "drift.py", "--rounds", "1", "--steps", "90",
+                           "--window", "8", "--calls", "200", "--out", out],
+                          capture_output=True, text=True, timeout=600)
+    ok(proc)
+    runs = json.loads(out.read_text())["runs"]
+    assert {(r["load"], r["drift"]) for r in runs} == {(False, 0), (False, 8), (True, 0), (True, 8)}
+    for r in runs:
+        assert r["before_ms"] > 0 and r["after_ms"] > 0 and (r["b2b_4B_us"] is None) == r["load"], r
+        # (a bucket the check opened again late in the run may still be exploring)
+        assert set(r["winners"].values()) <= ({"mpi", "gloo", None} if r["drift"] else {"mpi", "gloo"}), r
+        assert all(e["was"] in ("mpi", "gloo") for e in r["reopened"]) and (r["drift"] or not r["reopened"]), r

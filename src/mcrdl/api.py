@@ -78,7 +78,8 @@ def _check_same_selection(rt: Runtime) -> None:
     table = rt.selector.table
     config = {"live": sorted(rt.backends), "default": rt.default_backend,
               "static": rt.selector.static, "debug": rt.debug,
-              "autotune": None if rt.autotune is None else [rt.autotune.calls, rt.autotune.warmup],
+              "autotune": None if rt.autotune is None else [rt.autotune.calls, rt.autotune.warmup,
+                                                            rt.autotune.drift],
               "table": None if table is None else json.dumps(table.to_dict(), sort_keys=True)}
     mine = json.dumps(config, sort_keys=True)
     digest = hashlib.sha256(mine.encode()).hexdigest()
@@ -460,18 +461,22 @@ def _remember(g: Group, key: tuple, plan):
 
 
 def _planned(rt: Runtime, g: Group, op: str, nbytes: int, dtype: torch.dtype, reduce_op,
-             backend: Optional[str]) -> Optional[str]:
-    """The backend of a fast-path plan: the selector's, or autotune's frozen
-    choice; None while autotune explores the op's bucket (the general path
+             backend: Optional[str], tensors: tuple, fixed: tuple, async_op: bool = False):
+    """A fast-path plan's backend and start function (:func:`_starter`), with
+    the selector's choice or autotune's frozen one (counted for its drift
+    check); None while autotune explores the op's bucket (the general path
     runs those calls, on every rank alike, and no plan is kept)."""
     name = rt.selector.choose(op, nbytes, g.size, "cpu", dtype, reduce_op, backend)
     tuner = rt.autotune
-    if tuner is None or backend is not None:
-        return name
-    won = tuner.frozen(g, op, nbytes, "cpu", name)
-    if won is None or won == name or rt.selector.why_not(won, op, "cpu", dtype, reduce_op) is None:
-        return won
-    return name
+    if tuner is not None and backend is None:
+        won = tuner.frozen(g, op, nbytes, "cpu", name)
+        if won is None:
+            return None
+        runs = won == name or rt.selector.why_not(won, op, "cpu", dtype, reduce_op) is None
+        name = won if runs else name  # (the winner cannot run this dtype or reduction)
+        start = _starter(rt, g, name, op, tensors, fixed, async_op)
+        return name, tuner.watched(rt, g, op, nbytes, start, timed=runs and not async_op)
+    return name, _starter(rt, g, name, op, tensors, fixed, async_op)
 
 
 def _starter(rt: Runtime, g: Group, name: str, op: str, tensors: tuple, fixed: tuple, async_op: bool):
@@ -553,8 +558,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
 def _all_reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, backend: Optional[str],
                      async_op: bool = False):
     _check("all_reduce", tensor)
-    name = _planned(rt, g, "all_reduce", tensor.nbytes, tensor.dtype, ReduceOp.SUM, backend)
-    return name and (name, _starter(rt, g, name, "all_reduce", (tensor,), (ReduceOp.SUM,), async_op))
+    return _planned(rt, g, "all_reduce", tensor.nbytes, tensor.dtype, ReduceOp.SUM, backend, (tensor,),
+                    (ReduceOp.SUM,), async_op)
 
 
 def _all_reduce(tensor, op, group, async_op, backend) -> Optional[Work]:
@@ -604,8 +609,8 @@ def _broadcast_plan(rt: Runtime, g: Group, tensor: torch.Tensor, src: int, backe
                     async_op: bool):
     _check("broadcast", tensor)
     root = _root("broadcast", g, src)
-    name = _planned(rt, g, "broadcast", tensor.nbytes, tensor.dtype, None, backend)
-    return name and (name, _starter(rt, g, name, "broadcast", (tensor,), (root,), async_op), root)
+    plan = _planned(rt, g, "broadcast", tensor.nbytes, tensor.dtype, None, backend, (tensor,), (root,), async_op)
+    return plan and (*plan, root)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
@@ -641,9 +646,9 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
 def _reduce_plan(rt: Runtime, g: Group, tensor: torch.Tensor, dst: int, backend: Optional[str]):
     _check("reduce", tensor)
     root = _root("reduce", g, dst, "dst")
-    name = _planned(rt, g, "reduce", tensor.nbytes, tensor.dtype, ReduceOp.SUM, backend)
-    return name and (name, rt.backends[name].starter("reduce", g.handles[name], g.timeout, (tensor,), root,
-                                                     ReduceOp.SUM), root)
+    plan = _planned(rt, g, "reduce", tensor.nbytes, tensor.dtype, ReduceOp.SUM, backend, (tensor,),
+                    (root, ReduceOp.SUM))
+    return plan and (*plan, root)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
@@ -701,8 +706,8 @@ def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: to
         _check(op, output, "output")
         _check(op, input, "input")
     _holds_blocks(op, g, small, large, "output_tensor" if gather else "input")
-    name = _planned(rt, g, op, large.nbytes, small.dtype, None if gather else ReduceOp.SUM, backend)
-    return name and (name, _starter(rt, g, name, op, (output, input), () if gather else (ReduceOp.SUM,), async_op))
+    return _planned(rt, g, op, large.nbytes, small.dtype, None if gather else ReduceOp.SUM, backend,
+                    (output, input), () if gather else (ReduceOp.SUM,), async_op)
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[Group] = None,
@@ -885,9 +890,9 @@ def _rooted_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, global_ro
     """Fast-path plan of gather or scatter: (backend, start(output, input), group root)."""
     _check(op, tensor)
     root = _root(op, g, global_root, "dst" if op == "gather" else "src")
-    name = _planned(rt, g, op, tensor.nbytes * g.size, tensor.dtype, None, backend)
     tensors = (None, tensor) if op == "gather" else (tensor, None)
-    return name and (name, rt.backends[name].starter(op, g.handles[name], g.timeout, tensors, root), root)
+    plan = _planned(rt, g, op, tensor.nbytes * g.size, tensor.dtype, None, backend, tensors, (root,))
+    return plan and (*plan, root)
 
 
 def _spanning(parts, like: torch.Tensor, n: int) -> Optional[torch.Tensor]:
@@ -986,8 +991,8 @@ def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.T
     elif rt.selector.needs_agreement(op, g.size, backend) or (rt.autotune is not None
                                                                and rt.autotune.explores(op, backend)):
         return False
-    name = _planned(rt, g, op, input.nbytes, input.dtype, None, backend)
-    return name and (name, rt.backends[name].starter(op, g.handles[name], g.timeout, (output, input)), row)
+    plan = _planned(rt, g, op, input.nbytes, input.dtype, None, backend, (output, input), ())
+    return plan and (*plan, row)
 
 
 def _counts(splits, size: int, t: torch.Tensor, row: int) -> Optional[list]:

@@ -28,6 +28,15 @@ in its own threads) and picked gloo, and steps got 30% slower than on MPI. A
 bucket only ever called async keeps its seed. Point-to-point is not explored
 (a send's and its receive's call counts differ); it is selected as without
 autotune.
+
+Drift check (``drift=N``, ``MCRDL_AUTOTUNE_DRIFT=N``; off by default): a
+frozen bucket's calls are counted, on the fast paths too, and the last
+:data:`DRIFT_SAMPLE` blocking calls of each window of ``N`` are timed. At the
+end of each window the group checks the bucket, at a call every member
+reaches, as it agreed the winner. The first window after freezing sets each
+member's baseline (its median); a later window whose median is at least
+:data:`DRIFT_FACTOR` times the baseline on any member opens the bucket again:
+it is explored as before, with the winner as seed, from the next call.
 """
 from __future__ import annotations
 
@@ -37,14 +46,20 @@ import json
 import os
 import socket
 import statistics
+import time
 from typing import Optional
 
 from .tuning import FORMAT, OP_CLASS
+from .work import DONE
 
 #: Classes explored (collectives, whose members call in the same order).
 EXPLORED = frozenset(c for c in set(OP_CLASS.values()) if c != "p2p")
 #: "Not measured" in the agreement (nanoseconds; int64 on the wire).
 UNMEASURED = 2 ** 62
+#: A window's median at least this many times the baseline is drift.
+DRIFT_FACTOR = 2.0
+#: Calls timed per drift window: its last ones (timing every call of a window costs more).
+DRIFT_SAMPLE = 16
 
 
 def bucket(nbytes: int) -> int:
@@ -60,26 +75,39 @@ def bucket_bounds(b: int) -> tuple[int, int]:
 class Bucket:
     """One (op class, size bucket) of one group: its schedule and its outcome."""
 
-    __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how")
+    __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how",
+                 "since", "window", "base", "reopened")
 
     def __init__(self, candidates: tuple[str, ...]):
-        self.candidates = candidates  # the seed first
+        self.reopened: list[dict] = []  # drift checks that opened the bucket again
+        self._explore(candidates)
+        if len(candidates) == 1:
+            self.winner, self.how = candidates[0], "only backend able to run it"
+
+    def _explore(self, candidates: tuple[str, ...]) -> None:
+        """Start (or start again) exploring, ``candidates[0]`` as the seed."""
+        self.candidates = candidates
         self.calls = 0
         self.times: dict[str, dict[int, float]] = {c: {} for c in candidates}  # round -> seconds
-        self.winner: Optional[str] = candidates[0] if len(candidates) == 1 else None
+        self.winner: Optional[str] = None
         self.agreed: dict[str, Optional[float]] = {}  # backend -> group's median, µs (None: unmeasured)
-        self.how = "only backend able to run it" if self.winner else "exploring"
+        self.how = "exploring"
+        self.since = 0  # calls since frozen (drift check)
+        self.window: list[float] = []  # this rank's timed calls of the current drift window
+        self.base: Optional[float] = None  # this rank's median of the first window after freezing
 
 
 class Autotuner:
     """Per-group exploration state; consulted by the API for every collective."""
 
     def __init__(self, selector, calls: int = 3, warmup: int = 1, margin: float = 0.05,
-                 save: Optional[str] = None):
-        if calls < 1 or warmup < 0:
-            raise ValueError(f"autotune: calls must be >= 1 and warm-up >= 0, got {calls}, {warmup}")
+                 save: Optional[str] = None, drift: int = 0):
+        if calls < 1 or warmup < 0 or drift < 0:
+            raise ValueError(f"autotune: calls must be >= 1, warm-up and drift >= 0, got {calls}, {warmup}, "
+                             f"{drift}")
         self.selector = selector
         self.calls, self.warmup, self.margin, self.save_path = calls, warmup, margin, save
+        self.drift = drift  # drift-check window in calls (0: off)
         self.rounds = warmup + calls  # exploration rounds: one call on each candidate
         self.groups: list[tuple[str, int, dict]] = []  # (name, size, Group.tuned) of every group explored
         self.excess_s = 0.0  # this rank's timed calls on losers, beyond the winner's median
@@ -87,7 +115,8 @@ class Autotuner:
     @staticmethod
     def settings(enabled: Optional[bool]) -> Optional[dict]:
         """The job's autotune settings (``autotune=`` or ``MCRDL_AUTOTUNE=1``,
-        ``MCRDL_AUTOTUNE_CALLS``, ``MCRDL_AUTOTUNE_SAVE``), or None when off."""
+        ``MCRDL_AUTOTUNE_CALLS``, ``MCRDL_AUTOTUNE_SAVE``, ``MCRDL_AUTOTUNE_DRIFT``),
+        or None when off."""
         if enabled is None:
             flag = os.environ.get("MCRDL_AUTOTUNE", "0")
             if flag not in ("0", "1"):
@@ -98,7 +127,11 @@ class Autotuner:
         raw = os.environ.get("MCRDL_AUTOTUNE_CALLS", "3")
         if not raw.isdigit() or int(raw) < 1:
             raise ValueError(f"MCRDL_AUTOTUNE_CALLS: expected a positive integer, got {raw!r}")
-        return {"calls": int(raw), "save": os.environ.get("MCRDL_AUTOTUNE_SAVE") or None}
+        drift = os.environ.get("MCRDL_AUTOTUNE_DRIFT", "0")
+        if not drift.isdigit() or 0 < int(drift) < 2:
+            raise ValueError(f"MCRDL_AUTOTUNE_DRIFT: expected 0 (off) or a window of at least 2 calls, "
+                             f"got {drift!r}")
+        return {"calls": int(raw), "save": os.environ.get("MCRDL_AUTOTUNE_SAVE") or None, "drift": int(drift)}
 
     def explores(self, op: str, explicit: Optional[str]) -> bool:
         """Does autotune decide this call (no ``backend=``, no static map entry)?"""
@@ -127,7 +160,9 @@ class Autotuner:
                 self.groups.append((g.name, g.size, g.tuned))
             b = g.tuned[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
         if b.winner is not None:
-            return (b.winner if runnable(b.winner) else None), None
+            name = b.winner
+            timed = self.drift and len(b.candidates) > 1 and self._count(rt, g, b) and runnable(name)
+            return (name if runnable(name) else None), (b if timed else None)
         rnd, slot = divmod(b.calls, len(b.candidates))
         b.calls += 1
         if rnd == self.rounds:
@@ -139,8 +174,81 @@ class Autotuner:
         return name, (b if rnd >= self.warmup else None)
 
     def record(self, b: Bucket, name: str, seconds: float) -> None:
-        """The time of the call :meth:`pick` just gave ``b`` for (it is in the round it counted)."""
-        b.times[name][(b.calls - 1) // len(b.candidates)] = seconds
+        """The time of the call :meth:`pick` just gave ``b`` for (it is in the
+        round it counted, or in the drift window once ``b`` is frozen)."""
+        if b.winner is not None:
+            b.window.append(seconds)
+        else:
+            b.times[name][(b.calls - 1) // len(b.candidates)] = seconds
+
+    def watched(self, rt, g, op: str, nbytes: int, start, timed: bool):
+        """``start`` of a fast-path plan, counted for the drift check as the
+        general path counts calls of a frozen bucket; ``timed`` (a blocking
+        start on the winner): the window's sampled calls are timed too, waiting
+        inside and returning DONE. The count is inlined (a method call per
+        call would cost more than the rest of it)."""
+        b = g.tuned.get((OP_CLASS[op], "cpu", bucket(nbytes)))
+        if not self.drift or b is None or b.winner is None or len(b.candidates) < 2:
+            return start
+        every, first = self.drift, self._first_sampled()
+        if not timed:
+            def counted(*args):
+                b.since += 1
+                if not b.since % every:
+                    self._check(rt, g, b)
+                return start(*args)
+            return counted
+        engine, name = rt.engine, b.winner
+
+        def counted_and_timed(*args):
+            b.since += 1
+            at = b.since % every
+            if at < first:
+                if not at:
+                    self._check(rt, g, b)
+                return start(*args)
+            began = time.perf_counter()
+            pending = start(*args)
+            if pending is not DONE:
+                engine.block(op, name, pending, g, args)
+            b.window.append(time.perf_counter() - began)
+            return DONE
+        return counted_and_timed
+
+    def _first_sampled(self) -> int:
+        """The first timed call's place in a drift window (the last
+        :data:`DRIFT_SAMPLE` calls before the check are timed)."""
+        return self.drift - min(DRIFT_SAMPLE, self.drift - 1)
+
+    def _count(self, rt, g, b: Bucket) -> bool:
+        """Count a call of frozen ``b``; at the end of each window of ``drift``
+        calls the group checks ``b``. True if this call is to be timed."""
+        b.since += 1
+        at = b.since % self.drift
+        if not at:
+            self._check(rt, g, b)
+        return at >= self._first_sampled()
+
+    def _check(self, rt, g, b: Bucket) -> None:
+        """The drift check of frozen ``b``, a collective of ``g`` at a call every
+        member reaches (the count is the same everywhere): it opens ``b`` again
+        when a member's window median is :data:`DRIFT_FACTOR` times its
+        baseline. The call that runs it still runs on the old winner."""
+        window, b.window = b.window, []
+        enough = 2 * len(window) >= self.drift - self._first_sampled()  # (async calls are not timed)
+        now = statistics.median(window) if enough else None
+        slow = int(now is not None and b.base is not None and now >= DRIFT_FACTOR * b.base)
+        if b.base is None and now is not None:
+            b.base = now
+        if not rt.control_max(g, slow):
+            return
+        reopened = {"call": b.since, "winner": b.winner, "agreed_us": b.agreed,
+                    "base_us": None if b.base is None else round(b.base * 1e6, 1),
+                    "now_us": None if now is None else round(now * 1e6, 1)}
+        b._explore((b.winner, *(c for c in b.candidates if c != b.winner)))
+        b.reopened.append(reopened)
+        b.how = f"exploring again: latency doubled on a member (drift check {len(b.reopened)})"
+        g.starters.clear()  # plans are kept only for frozen buckets
 
     def _candidates(self, cls: str, size: int, device: str, bkt: int) -> tuple[str, ...]:
         sel = self.selector
@@ -202,13 +310,15 @@ class Autotuner:
                 rows.append({"group": gname, "group_size": size, "op": cls, "device": device,
                              "min_bytes": lo, "max_bytes": hi, "calls": b.calls, "us": b.agreed,
                              "mine_us": {c: [round(t * 1e6, 1) for t in ts.values()] for c, ts in b.times.items()},
-                             "winner": b.winner, "how": b.how})
+                             "winner": b.winner, "how": b.how, "reopened": b.reopened})
         return rows
 
     def peek(self, g, op: str, nbytes: int, device: str) -> str:
         """This call's place in its bucket's schedule, for debug mode's cross-rank check."""
         b = g.tuned.get((OP_CLASS[op], device, bucket(nbytes)))
-        return "new" if b is None else (b.winner or f"call {b.calls}")
+        if b is None:
+            return "new"
+        return f"call {b.calls}" if b.winner is None else f"{b.winner}, frozen call {b.since}"
 
     def describe(self, g, op: str, nbytes: int, device: str = "cpu") -> Optional[str]:
         """What autotune did for this call's bucket (None: it does not decide it)."""
@@ -221,7 +331,8 @@ class Autotuner:
         if b.winner is None:
             return f"autotune: exploring ({b.calls} of {len(b.candidates) * self.rounds} calls)"
         us = ", ".join(f"{c} {'-' if t is None else f'{t:.1f} us'}" for c, t in b.agreed.items())
-        return f"autotune: {b.how}" + (f" ({us})" if us else "")
+        again = f"; opened again by drift {len(b.reopened)}x" if b.reopened else ""
+        return f"autotune: {b.how}" + (f" ({us})" if us else "") + again
 
     def table(self, world_size: int) -> dict:
         """What was learned, as a tuning table (``MCRDL_TUNING_TABLE`` next run):
@@ -244,7 +355,8 @@ class Autotuner:
                              "hosts": [socket.gethostname()],
                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "calls_per_backend": self.calls, "warmup_calls": self.warmup,
-                             "margin": self.margin, "exploration_excess_s": round(self.excess_s, 6),
+                             "margin": self.margin, "drift_window": self.drift,
+                             "exploration_excess_s": round(self.excess_s, 6),
                              "buckets": self.report()},
                 "rules": rules}
 

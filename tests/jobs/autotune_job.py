@@ -12,7 +12,7 @@ import torch
 import mcrdl
 from common import check
 from mcrdl import api
-from mcrdl.autotune import bucket_bounds
+from mcrdl.autotune import bucket, bucket_bounds
 
 case = sys.argv[1]
 mcrdl.init_process_group(timeout=30, autotune=True)
@@ -237,7 +237,63 @@ def uneven():
     same_winners(api._runtime.world, list(range(world)), done=False)
 
 
-{"ops": ops, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank, "subgroups": subgroups,
+def drift():
+    """Drift check (MCRDL_AUTOTUNE_DRIFT=W): once rank 1 arrives 20 ms late at
+    every call, rank 0's latency is far above its baseline and the group opens
+    the bucket again at one call on every rank, although rank 0 takes the
+    general path (an isend outstanding) at calls where rank 1 takes the fast
+    path, and some calls are async (counted, not timed)."""
+    W = tuner.drift
+    check(W >= 2, "run with MCRDL_AUTOTUNE_DRIFT >= 2")
+    world_g = api._runtime.world
+    calls = 0
+
+    def step():
+        nonlocal calls
+        calls += 1
+        t = torch.full((64,), float(rank + calls))
+        w = mcrdl.isend(torch.ones(4) * calls, 1) if rank == 0 and calls % 3 == 0 else None
+        work = mcrdl.all_reduce(t, async_op=calls % 5 == 1)
+        if work is not None:
+            work.wait()
+        check(torch.equal(t, torch.full((64,), float(sum(range(world)) + world * calls))), "all_reduce", calls)
+        if w is not None:
+            w.wait()
+        elif rank == 1 and calls % 3 == 0:
+            x = torch.empty(4)
+            mcrdl.recv(x, 0)
+            check(torch.equal(x, torch.ones(4) * calls), "recv", calls)
+
+    while calls < 2 or exploring():
+        check(calls < 400, "exploration does not end", tuner.report())
+        step()
+    b = world_g.tuned[("all_reduce", "cpu", bucket(256))]
+    winner = b.winner
+    for _ in range(2 * W):  # the first window sets the baseline; the second is checked against it
+        step()
+    seen = len(b.reopened)
+    late = 0
+    while len(b.reopened) == seen:
+        check(late < 4 * W, "drift not seen", b.base, b.window, tuner.report())
+        if rank == 1:
+            time.sleep(0.02)
+        step()
+        late += 1
+    last = b.reopened[-1]
+    check(last["winner"] == winner and b.candidates[0] == winner, "the winner seeds the new exploration", last)
+    check(rank != 0 or last["now_us"] >= 2 * last["base_us"], "opened again without drift", last)
+    while exploring():
+        check(calls < 2000, "exploration does not end", tuner.report())
+        step()
+    same_winners(world_g, list(range(world)))
+    rows = api._runtime.control_allgather(world_g, json.dumps([len(b.reopened), b.since]).encode())
+    check(len(set(rows)) == 1, "ranks disagree on the drift checks:", *rows)
+    print(f"rank {rank}: drift checks that opened the bucket: {b.reopened}; now {b.how}", flush=True)
+    check("opened again by drift" in mcrdl.explain("all_reduce", torch.ones(64)), mcrdl.explain("all_reduce",
+                                                                                             torch.ones(64)))
+
+
+{"ops": ops, "drift": drift, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank, "subgroups": subgroups,
  "uneven": uneven, "reused": reused, "debug_divergence": debug_divergence}[case]()
 print(f"rank {rank}: {case} OK", flush=True)
 mcrdl.destroy_process_group()

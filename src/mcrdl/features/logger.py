@@ -377,8 +377,9 @@ def print_comms_summary(summary: Optional[dict] = None) -> None:
             a.add_column(col)
         for row in summary["autotune"]:
             measured = ", ".join(f"{b} {'-' if us is None else f'{us:.1f}'}" for b, us in row["us"].items())
+            again = f"; opened again by drift {len(row['reopened'])}x" if row.get("reopened") else ""
             a.add_row(row["group"], row["op"], f"{row['min_bytes']}-{row['max_bytes']}", measured,
-                      row["winner"] or "(exploring)", row["how"])
+                      row["winner"] or "(exploring)", row["how"] + again)
         console.print(a)
     if summary.get("stragglers_s"):
         s = Table(title="stragglers: each rank's total time minus the fastest rank's (ms)")
