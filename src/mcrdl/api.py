@@ -493,7 +493,12 @@ def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tupl
     if not nbytes and skip_empty:
         return _skip(rt, op, async_op, result)
     if not async_op:
-        _block(rt, g, op, name, start, args, nbytes, reads, writes, peer)
+        if rt.logger is None:  # _block's unlogged case, inline: one call fewer
+            pending = start(*args)
+            if pending is not DONE:
+                rt.engine.block(op, name, pending, g, reads, writes)
+        else:
+            _block(rt, g, op, name, start, args, nbytes, reads, writes, peer)
         return None
     engine = rt.engine
     if engine.outstanding:
@@ -656,18 +661,9 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
                            backend: Optional[str] = None) -> Optional[Work]:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (dim 0)."""
     op = "all_gather_into_tensor"
-    rt = _runtime
-    g = _fast_group(rt, group, async_op, backend, async_ok=True)
-    if (g is not None and isinstance(input_tensor, torch.Tensor) and isinstance(output_tensor, torch.Tensor)
-            and input_tensor.is_cpu and output_tensor.is_cpu and input_tensor.is_contiguous()
-            and output_tensor.is_contiguous() and _disjoint(input_tensor, output_tensor)):
-        key = (op, input_tensor.shape, output_tensor.shape, input_tensor.dtype, output_tensor.dtype, backend,
-               async_op)
-        plan = g.starters.get(key) or _remember(
-            g, key, _gather_plan(rt, g, op, output_tensor, input_tensor, backend, async_op))
-        if plan is not None:
-            return _fast(rt, g, op, plan[0], plan[1], (output_tensor, input_tensor), output_tensor.nbytes,
-                         (input_tensor,), (output_tensor,), (output_tensor,), async_op)
+    done = _pair_fast(op, output_tensor, input_tensor, group, async_op, backend)
+    if done is not _GENERAL:
+        return done
     g = _group(group, "all_gather_into_tensor")
     _check(op, output_tensor, "output_tensor")
     _check(op, input_tensor, "input_tensor")
@@ -691,6 +687,40 @@ def _holds_blocks(op: str, g: Group, block: torch.Tensor, whole: torch.Tensor, w
     if whole.numel() != block.numel() * g.size:
         raise ValueError(f"{op}: {what} has {whole.numel()} elements, expected "
                          f"{block.numel()} x {g.size} ranks = {block.numel() * g.size}")
+
+
+#: What a fast path returns when the general path must run the call.
+_GENERAL = object()
+
+
+def _pair_fast(op: str, output, input, group: Optional[Group], async_op: bool, backend: Optional[str]):
+    """The fast path of all_gather_into_tensor or reduce_scatter_tensor (SUM):
+    its result, or _GENERAL when the general path must run the call."""
+    rt = _runtime
+    g = _fast_group(rt, group, async_op, backend, async_ok=True)
+    if (g is None or not isinstance(input, torch.Tensor) or not isinstance(output, torch.Tensor)
+            or not (input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous())):
+        return _GENERAL
+    return _pair_run(rt, g, op, output, input, async_op, backend)
+
+
+def _pair_run(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool,
+              backend: Optional[str]):
+    """:func:`_pair_fast` for contiguous CPU tensors on a fast-path group. Plans
+    are keyed on sizes in bytes and dtypes (each torch attribute read costs
+    0.1-0.2 us; a shape, more)."""
+    n_in, n_out = input.nbytes, output.nbytes
+    p_in, p_out = input.data_ptr(), output.data_ptr()
+    if p_in < p_out + n_out and p_out < p_in + n_in:  # aliased: the general path copies
+        return _GENERAL
+    dtype = input.dtype
+    if dtype is torch.bool and op == "reduce_scatter_tensor":  # reduced as uint8 by the general path
+        return _GENERAL
+    key = (op, n_in, n_out, dtype, output.dtype, backend, async_op)
+    plan = g.starters.get(key) or _remember(g, key, _gather_plan(rt, g, op, output, input, backend, async_op))
+    if plan is None:
+        return _GENERAL
+    return _fast(rt, g, op, plan[0], plan[1], (output, input), n_in, (input,), (output,), (output,), async_op)
 
 
 def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch.Tensor,
@@ -718,7 +748,9 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     if g is not None and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous():
         whole = _span(g, op, tensor_list, tensor)  # tensor_list: views of one buffer
         if whole is not None:
-            return all_gather_into_tensor(whole, tensor, group, False, backend)
+            done = _pair_run(_runtime, g, "all_gather_into_tensor", whole, tensor, False, backend)
+            if done is not _GENERAL:
+                return done
     g = _group(group, "all_gather")
     _check(op, tensor)
     _check_list(op, tensor_list, "tensor_list", tensor, g.size)
@@ -739,16 +771,10 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                           backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``input`` across ranks and leave block ``rank`` of it in ``output``."""
     name = "reduce_scatter_tensor"
-    rt = _runtime
-    g = _fast_group(rt, group, async_op, backend, async_ok=True)
-    if (g is not None and op is _SUM and isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
-            and input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()
-            and input.dtype is not torch.bool and _disjoint(input, output)):  # bool: via uint8
-        key = (name, input.shape, output.shape, input.dtype, output.dtype, backend, async_op)
-        plan = g.starters.get(key) or _remember(g, key, _gather_plan(rt, g, name, output, input, backend, async_op))
-        if plan is not None:
-            return _fast(rt, g, name, plan[0], plan[1], (output, input), input.nbytes, (input,), (output,),
-                         (output,), async_op)
+    if op is _SUM:
+        done = _pair_fast(name, output, input, group, async_op, backend)
+        if done is not _GENERAL:
+            return done
     g = _group(group, "reduce_scatter_tensor")
     _check(name, output, "output")
     _check(name, input, "input")
@@ -778,10 +804,13 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
     """Reduce ``input_list[i]`` across ranks into ``output`` on group rank ``i``."""
     name = "reduce_scatter"
     g = _fast_group(_runtime, group, async_op, backend)
-    if g is not None and isinstance(output, torch.Tensor) and output.is_cpu and output.is_contiguous():
+    if (g is not None and op is _SUM and isinstance(output, torch.Tensor) and output.is_cpu
+            and output.is_contiguous()):
         whole = _span(g, name, input_list, output)  # input_list: views of one buffer
         if whole is not None:
-            return reduce_scatter_tensor(output, whole, op, group, False, backend)
+            done = _pair_run(_runtime, g, "reduce_scatter_tensor", output, whole, False, backend)
+            if done is not _GENERAL:
+                return done
     g = _group(group, "reduce_scatter")
     _check(name, output, "output")
     _check_list(name, input_list, "input_list", output, g.size)
@@ -863,7 +892,8 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
     if not (g is not None and type(global_root) is int and isinstance(tensor, torch.Tensor)
             and tensor.is_cpu and tensor.is_contiguous()):
         return False
-    key = (op, tensor.shape, tensor.dtype, backend, global_root)
+    nbytes = tensor.nbytes
+    key = (op, nbytes, tensor.dtype, backend, global_root)
     plan = g.starters.get(key) or _remember(g, key, _rooted_plan(rt, g, op, tensor, global_root, backend))
     if plan is None:
         return False
@@ -871,17 +901,23 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
     whole, blocks = None, ()
     if g.rank == root:
         whole = _span(g, op, parts, tensor)
-        if whole is None or not _disjoint(whole, tensor):
+        if whole is None:
             return False
-        blocks = tuple(parts)
+        at, start_at = tensor.data_ptr(), whole.data_ptr()
+        if at < start_at + nbytes * g.size and start_at < at + nbytes:  # aliased: the general path copies
+            return False
+        blocks = parts
     elif parts:
         return False
-    nbytes = tensor.nbytes * g.size
     if nbytes:
-        if op == "gather":
-            _block(rt, g, op, name, start, (whole, tensor), nbytes, (tensor,), blocks, root)
+        args, reads, writes = ((whole, tensor), (tensor,), blocks) if op == "gather" else \
+            ((tensor, whole), blocks, (tensor,))
+        if rt.logger is None:
+            pending = start(*args)
+            if pending is not DONE:
+                rt.engine.block(op, name, pending, g, reads, writes)
         else:
-            _block(rt, g, op, name, start, (tensor, whole), nbytes, blocks, (tensor,), root)
+            _block(rt, g, op, name, start, args, nbytes * g.size, reads, writes, root)
     return True
 
 
@@ -926,9 +962,9 @@ def _span(g: Group, op: str, parts, like: torch.Tensor) -> Optional[torch.Tensor
     remembered per group and op for a small list: the same list (the same
     tensors at the same addresses) next time reuses its view without the checks."""
     key = (op, "span")
-    memo = g.starters.get(key)  # ((tensor, address), ...), view
+    memo = g.starters.get(key)  # ((tensor, address), ...), view, its dtype, its bytes per part
     if (memo is not None and type(parts) in (list, tuple) and len(parts) == len(memo[0])
-            and memo[1].dtype is like.dtype and memo[1].numel() == len(parts) * like.numel()):
+            and memo[2] is like.dtype and memo[3] == like.nbytes):
         for t, (known, address) in zip(parts, memo[0]):
             if t is not known or t.data_ptr() != address:
                 break
@@ -936,7 +972,7 @@ def _span(g: Group, op: str, parts, like: torch.Tensor) -> Optional[torch.Tensor
             return memo[1]
     whole = _spanning(parts, like, g.size)
     if whole is not None and whole.nbytes <= SPAN_MEMO_BYTES:
-        _remember(g, key, (tuple((p, p.data_ptr()) for p in parts), whole))
+        _remember(g, key, (tuple((p, p.data_ptr()) for p in parts), whole, whole.dtype, like.nbytes))
     return whole
 
 
