@@ -25,7 +25,7 @@ def test_drift_check_opens_a_bucket_again_at_one_call_on_every_rank():
     """Rank 1 turns 20 ms late: the group re-explores from one call on both
     ranks, with rank 0 on the general path where rank 1 is on the fast path
     (hangs if the fast path's calls are not counted)."""
-    out = run_job(2, "autotune_job.py", "drift", timeout=180, env={"MCRDL_AUTOTUNE_DRIFT": "8"})
+    out = run_job(2, "autotune_job.py", "drift", timeout=180, env={"MCRDL_AUTOTUNE_DRIFT": "10"})
     assert out.count("drift OK") == 2, out[-3000:]
 
 
@@ -148,3 +148,30 @@ def test_saved_rules_merge_buckets_and_cover_every_size():
                                                  {"max_bytes": None, "backend": "gloo"}]}}
     table = TuningTable.from_dict(json.loads(json.dumps(doc)), REGISTRY)
     assert table.lookup("all_reduce", 2, 1500) == "mpi" and table.lookup("all_reduce", 2, 1 << 30) == "gloo"
+
+
+def test_drift_check_needs_slow_windows_in_a_row_against_the_lowest_median():
+    class OneMember:  # the group's maximum is this member's own flag
+        def control_max(self, g, value):
+            return value
+
+    class Group:
+        starters = {"plan": object()}
+
+    with pytest.raises(ValueError, match="drift 0 .off. or >= 2"):
+        Autotuner(_Sel(), drift=1)
+    tuner = Autotuner(_Sel(), drift=10)
+    b = Bucket(("mpi", "gloo"))
+    b.winner = "mpi"
+
+    def window(us):  # 10 calls of the bucket: 9 timed, then the check
+        for _ in range(10):
+            if tuner._count(OneMember(), Group, b):
+                tuner.record(b, "mpi", us * 1e-6)
+
+    for us in (100, 60, 130, 50, 110):  # 130: slow once (2x 60), then 50 lowers the baseline
+        window(us)
+        assert b.winner == "mpi", (us, b.base, b.slow)
+    window(120)  # the second slow window in a row against 50 us
+    assert b.winner is None and b.candidates[0] == "mpi" and Group.starters == {}
+    assert b.reopened[0]["base_us"] == 50.0 and b.reopened[0]["now_us"] == 120.0

@@ -30,13 +30,14 @@ bucket only ever called async keeps its seed. Point-to-point is not explored
 autotune.
 
 Drift check (``drift=N``, ``MCRDL_AUTOTUNE_DRIFT=N``; off by default): a
-frozen bucket's calls are counted, on the fast paths too, and the last
-:data:`DRIFT_SAMPLE` blocking calls of each window of ``N`` are timed. At the
-end of each window the group checks the bucket, at a call every member
-reaches, as it agreed the winner. The first window after freezing sets each
-member's baseline (its median); a later window whose median is at least
-:data:`DRIFT_FACTOR` times the baseline on any member opens the bucket again:
-it is explored as before, with the winner as seed, from the next call.
+frozen bucket's calls are counted, on the fast paths too, and the blocking
+calls among the last :data:`DRIFT_SAMPLE` before each window's end are timed.
+At the end of each window of ``N`` calls the group checks the bucket, at a
+call every member reaches, as it agreed the winner. Each member's baseline is
+its lowest window median so far; :data:`DRIFT_WINDOWS` windows in a row whose
+median is at least :data:`DRIFT_FACTOR` times the baseline, on any member,
+open the bucket again: it is explored as before, with the winner as seed,
+from the next call. Barriers are not watched.
 """
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ UNMEASURED = 2 ** 62
 DRIFT_FACTOR = 2.0
 #: Calls timed per drift window: its last ones (timing every call of a window costs more).
 DRIFT_SAMPLE = 16
+#: Slow windows in a row (on one member) that open a bucket again: one slow
+#: window is often one descheduled rank or a call that took the general path.
+DRIFT_WINDOWS = 2
 
 
 def bucket(nbytes: int) -> int:
@@ -76,7 +80,7 @@ class Bucket:
     """One (op class, size bucket) of one group: its schedule and its outcome."""
 
     __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how",
-                 "since", "window", "base", "reopened")
+                 "since", "window", "base", "slow", "reopened")
 
     def __init__(self, candidates: tuple[str, ...]):
         self.reopened: list[dict] = []  # drift checks that opened the bucket again
@@ -94,7 +98,8 @@ class Bucket:
         self.how = "exploring"
         self.since = 0  # calls since frozen (drift check)
         self.window: list[float] = []  # this rank's timed calls of the current drift window
-        self.base: Optional[float] = None  # this rank's median of the first window after freezing
+        self.base: Optional[float] = None  # this rank's lowest window median since freezing
+        self.slow = 0  # this rank's slow windows in a row
 
 
 class Autotuner:
@@ -102,9 +107,9 @@ class Autotuner:
 
     def __init__(self, selector, calls: int = 3, warmup: int = 1, margin: float = 0.05,
                  save: Optional[str] = None, drift: int = 0):
-        if calls < 1 or warmup < 0 or drift < 0:
-            raise ValueError(f"autotune: calls must be >= 1, warm-up and drift >= 0, got {calls}, {warmup}, "
-                             f"{drift}")
+        if calls < 1 or warmup < 0 or drift < 0 or drift == 1:
+            raise ValueError(f"autotune: calls must be >= 1, warm-up >= 0 and drift 0 (off) or >= 2, got "
+                             f"{calls}, {warmup}, {drift}")
         self.selector = selector
         self.calls, self.warmup, self.margin, self.save_path = calls, warmup, margin, save
         self.drift = drift  # drift-check window in calls (0: off)
@@ -161,7 +166,7 @@ class Autotuner:
             b = g.tuned[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
         if b.winner is not None:
             name = b.winner
-            timed = self.drift and len(b.candidates) > 1 and self._count(rt, g, b) and runnable(name)
+            timed = self._drifts(cls, b) and self._count(rt, g, b) and runnable(name)
             return (name if runnable(name) else None), (b if timed else None)
         rnd, slot = divmod(b.calls, len(b.candidates))
         b.calls += 1
@@ -187,8 +192,9 @@ class Autotuner:
         start on the winner): the window's sampled calls are timed too, waiting
         inside and returning DONE. The count is inlined (a method call per
         call would cost more than the rest of it)."""
-        b = g.tuned.get((OP_CLASS[op], "cpu", bucket(nbytes)))
-        if not self.drift or b is None or b.winner is None or len(b.candidates) < 2:
+        cls = OP_CLASS[op]
+        b = g.tuned.get((cls, "cpu", bucket(nbytes)))
+        if b is None or b.winner is None or not self._drifts(cls, b):
             return start
         every, first = self.drift, self._first_sampled()
         if not timed:
@@ -215,6 +221,11 @@ class Autotuner:
             return DONE
         return counted_and_timed
 
+    def _drifts(self, cls: str, b: Bucket) -> bool:
+        """Is frozen ``b`` watched for drift? Not a barrier: its time is mostly
+        how unevenly the ranks arrive, not the backend's."""
+        return bool(self.drift) and len(b.candidates) > 1 and cls != "barrier"
+
     def _first_sampled(self) -> int:
         """The first timed call's place in a drift window (the last
         :data:`DRIFT_SAMPLE` calls before the check are timed)."""
@@ -232,15 +243,19 @@ class Autotuner:
     def _check(self, rt, g, b: Bucket) -> None:
         """The drift check of frozen ``b``, a collective of ``g`` at a call every
         member reaches (the count is the same everywhere): it opens ``b`` again
-        when a member's window median is :data:`DRIFT_FACTOR` times its
-        baseline. The call that runs it still runs on the old winner."""
+        when a member's window median was :data:`DRIFT_FACTOR` times its
+        baseline (its lowest window median so far) in :data:`DRIFT_WINDOWS`
+        windows in a row. A window with fewer than half its sampled calls timed
+        (async calls are not), or fewer than 5, judges nothing. The call that
+        runs the check still runs on the old winner."""
         window, b.window = b.window, []
-        enough = 2 * len(window) >= self.drift - self._first_sampled()  # (async calls are not timed)
-        now = statistics.median(window) if enough else None
-        slow = int(now is not None and b.base is not None and now >= DRIFT_FACTOR * b.base)
-        if b.base is None and now is not None:
-            b.base = now
-        if not rt.control_max(g, slow):
+        sampled = self.drift - self._first_sampled()
+        now = statistics.median(window) if 2 * len(window) >= sampled and len(window) >= min(5, sampled) \
+            else None
+        if now is not None:
+            b.slow = b.slow + 1 if b.base is not None and now >= DRIFT_FACTOR * b.base else 0
+            b.base = now if b.base is None else min(b.base, now)
+        if not rt.control_max(g, int(b.slow >= DRIFT_WINDOWS)):
             return
         reopened = {"call": b.since, "winner": b.winner, "agreed_us": b.agreed,
                     "base_us": None if b.base is None else round(b.base * 1e6, 1),
