@@ -5,6 +5,8 @@
 # the code.
 #   bash benchmarks/latency_vs_commit.sh REV [PAIRS=3] [SIZES=4,1K]
 #   BENCH=hotpath.py NP=4 bash benchmarks/latency_vs_commit.sh REV 2 4,4K
+# ARGS: more arguments for the benchmark; KEEP: a regex of the output lines to keep
+# (default: the lines of allreduce_latency.py's results).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD rev=$1 pairs=${2:-3} sizes=${3:-4,1K} bench=${BENCH:-allreduce_latency.py} np=${NP:-2}
@@ -16,6 +18,6 @@ for i in $(seq "$pairs"); do
     if [ "$tree" = "$root" ]; then label="this tree"; else label=$rev; fi
     echo "== pair $i: $label"
     (cd "$tree" && PYTHONPATH="$tree/src" "$root/.venv/bin/python" -m mcrdl.cli run -n "$np" \
-        "$root/benchmarks/$bench" --sizes "$sizes" --rounds 3 2>&1 | grep -E '^\[')
+        "$root/benchmarks/$bench" --sizes "$sizes" --rounds 3 ${ARGS:-} 2>&1 | grep -E "${KEEP:-^\[}")
   done
 done
