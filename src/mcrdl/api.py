@@ -720,7 +720,8 @@ def _pair_run(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch
     plan = g.starters.get(key) or _remember(g, key, _gather_plan(rt, g, op, output, input, backend, async_op))
     if plan is None:
         return _GENERAL
-    return _fast(rt, g, op, plan[0], plan[1], (output, input), n_in, (input,), (output,), (output,), async_op)
+    return _fast(rt, g, op, plan[0], plan[1], (output, input), max(n_in, n_out), (input,), (output,), (output,),
+                 async_op)  # (logged as the general path logs it: the whole buffer)
 
 
 def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch.Tensor,
@@ -749,8 +750,8 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
         whole = _span(g, op, tensor_list, tensor)  # tensor_list: views of one buffer
         if whole is not None:
             done = _pair_run(_runtime, g, "all_gather_into_tensor", whole, tensor, False, backend)
-            if done is not _GENERAL:
-                return done
+            # (aliased, or autotune exploring: the tensor op's general path copies less than the list's)
+            return all_gather_into_tensor(whole, tensor, group, False, backend) if done is _GENERAL else done
     g = _group(group, "all_gather")
     _check(op, tensor)
     _check_list(op, tensor_list, "tensor_list", tensor, g.size)
@@ -809,8 +810,7 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
         whole = _span(g, name, input_list, output)  # input_list: views of one buffer
         if whole is not None:
             done = _pair_run(_runtime, g, "reduce_scatter_tensor", output, whole, False, backend)
-            if done is not _GENERAL:
-                return done
+            return reduce_scatter_tensor(output, whole, op, group, False, backend) if done is _GENERAL else done
     g = _group(group, "reduce_scatter")
     _check(name, output, "output")
     _check_list(name, input_list, "input_list", output, g.size)
@@ -906,7 +906,7 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
         at, start_at = tensor.data_ptr(), whole.data_ptr()
         if at < start_at + nbytes * g.size and start_at < at + nbytes:  # aliased: the general path copies
             return False
-        blocks = parts
+        blocks = tuple(parts)  # (kept alive if the op is abandoned: not the caller's list)
     elif parts:
         return False
     if nbytes:
