@@ -2,19 +2,22 @@
 and MoE workloads on 2 local ranks, several runs each
 (docs/results/model_validation.md):
 
-    .venv/bin/python benchmarks/model_validation.py [--runs 8] [--steps 10] [--warmup 2] [--bench FILE ...]
+    .venv/bin/python benchmarks/model_validation.py [--runs 8] [--steps 10] [--warmup 2] [--calibrate 10] [--bench FILE ...]
 
-The model is calibrated from bench sweeps only, never from the validation
-runs. Unless ``--bench`` names recorded ones, a cold sweep (``mcrdl bench
+The model is calibrated from bench sweeps, or from the job's own calls
+(issue 16, item 6), never from the steps it is compared with. Unless ``--bench`` names recorded ones, a cold sweep (``mcrdl bench
 --cold``: compute, then the call, timed as the logger times it; docs/bench.md)
 of all_reduce, all_to_all and all_to_allv on MPI is recorded right before each
 run, to docs/results/model_cold-sweep-2ranks-K.json. Each run logs
-``--steps`` steps after ``--warmup`` unlogged ones
-(examples/model/log_workload.py). Every run is compared with ``mcrdl model
---compare-log`` under three calibrations: its own sweep (taken a minute
-before, in the same phase of a machine whose speed drifts), the median of
-every sweep per size (``--bench`` repeated), and the back-to-back tune sweep
-docs/results/tune-sweep-2ranks.json; backends come from
+``--steps`` steps after ``--warmup`` unlogged ones and ``--calibrate``
+logged apart (examples/model/log_workload.py). Every run is compared with
+``mcrdl model --compare-log`` under these calibrations: its own sweep (taken
+a minute before, in the same phase of a machine whose speed drifts), the
+median of every sweep per size (``--bench`` repeated), the back-to-back tune
+sweep docs/results/tune-sweep-2ranks.json, and that sweep corrected by the
+job's own calls (``--calibrate-log``): the run's calibration steps ("own
+steps", logged just before the compared ones) or the previous run's compared
+steps ("previous run"). Backends come from
 docs/results/tuning-2ranks.json. During each sweep and logged run it also
 measures the CPU time other processes took (all busy CPU time minus the
 run's own): runs with others above 5 % of the CPUs are reported apart.
@@ -40,6 +43,9 @@ WARM = "docs/results/tune-sweep-2ranks.json"
 COLD = "docs/results/model_cold-sweep-2ranks-{}.json"
 SWEEP = ["bench", "-n", "2", "--cold", "--ops", "all_reduce,all_to_all,all_to_allv", "--variants", "mpi",
          "--max-bytes", "1M", "--json"]
+CALIBRATIONS = {"own sweep": "the run's own cold sweep",
+                "own steps": f"{WARM} corrected by the run's --calibrate steps before the measured ones",
+                "previous run": f"{WARM} corrected by the previous run's measured steps (run 1: the last run)"}
 QUIET = 0.05  # others' share of the CPUs below which a run counts as quiet
 
 
@@ -67,12 +73,15 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--calibrate", type=int, default=10, metavar="K",
+                   help="steps logged before the measured ones, to calibrate from (0: none)")
     p.add_argument("--bench", action="append", help="recorded cold sweep(s) to calibrate from "
                    f"(default: record one before each run, {COLD.format('K')})")
     a = p.parse_args()
     if a.runs < 1:
         p.error("need --runs >= 1")
     cmd = (f"python benchmarks/model_validation.py --runs {a.runs} --steps {a.steps} --warmup {a.warmup}"
+           f" --calibrate {a.calibrate}"
            + "".join(f" --bench {b}" for b in a.bench or ()))
     sweeps, sweep_others = list(a.bench or []), []
     logs = []
@@ -91,26 +100,33 @@ def main() -> int:
                 env = {**os.environ, "MCRDL_COMMS_LOG": "1", "MCRDL_COMMS_LOG_DIR": log}
                 others = others_share(lambda: subprocess.run(
                     [f"{BIN}/mcrdl", "run", "-n", "2", "examples/model/log_workload.py", w, "--steps",
-                     str(a.steps), "--warmup", str(a.warmup), "--table", TABLE],
+                     str(a.steps), "--warmup", str(a.warmup), "--calibrate", str(a.calibrate), "--table", TABLE],
                     cwd=ROOT, env=env, check=True, capture_output=True))
                 print(f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs", flush=True)
                 logs.append((i, w, log, others))
-        calibrations = {"all sweeps": lambda i: sweeps, "back-to-back": lambda i: [WARM]}
+        bench = lambda files: [x for b in files for x in ("--bench", b)]
+        calibrations = {"all sweeps": lambda i, w: bench(sweeps), "back-to-back": lambda i, w: bench([WARM])}
         if not a.bench:
-            calibrations = {"own sweep": lambda i: [sweeps[i - 1]], **calibrations}
+            calibrations = {"own sweep": lambda i, w: bench([sweeps[i - 1]]), **calibrations}
+        if a.calibrate:  # the job's own calls: its earlier steps, or the previous run's measured steps
+            calibrations["own steps"] = lambda i, w: [*bench([WARM]), "--calibrate-log",
+                                                      os.path.join(work, f"{w}-{i}", "calibration")]
+        if a.runs > 1:
+            calibrations["previous run"] = lambda i, w: [*bench([WARM]), "--calibrate-log",
+                                                         os.path.join(work, f"{w}-{i - 1 or a.runs}")]
         ops: dict = {}
         text = []
         for i, w, log, others in logs:  # compare: every run against every calibration
             text.append(f"== run {i} {w}: other processes used {others * 100:.0f}% of the CPUs")
-            for calib, benches_of in calibrations.items():
-                benches = benches_of(i)
+            for calib, args_of in calibrations.items():
+                args = args_of(i, w)
                 out = f"{log}-model-{calib.replace(' ', '-')}"
                 rep = subprocess.run([f"{BIN}/mcrdl", "model", f"examples/model/workload_{w}.json",
                                       "--compare-log", log, "--log-iterations", str(a.steps),
-                                      *(x for b in benches for x in ("--bench", b)), "--table", TABLE,
+                                      *args, "--table", TABLE,
                                       "--out", out], cwd=ROOT, check=True, capture_output=True,
                                      text=True).stdout
-                text += [f"-- calibrated from {', '.join(benches)}",
+                text += [f"-- calibration ({calib}): {' '.join(args).replace(work, 'LOGS')}",
                          rep[rep.index("prediction vs logged run"):].split("\nwritten:")[0]]
                 with open(os.path.join(out, "model.json")) as f:
                     for r in json.load(f)["compare"]:
@@ -136,7 +152,7 @@ def main() -> int:
     with open(os.path.join(RES, "model_validation.txt"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(RES, "model_validation.json"), "w") as f:
-        json.dump({"command": cmd, "calibrations": {c: f(1) if c != "own sweep" else "the run's own sweep"
+        json.dump({"command": cmd, "calibrations": {c: CALIBRATIONS.get(c) or " ".join(f(1, "W"))
                                                     for c, f in calibrations.items()},
                    "sweeps": sweeps, "sweeps_others_cpu": sweep_others, "quiet_below_others_cpu": QUIET,
                    "ops": ops, "totals": totals}, f, indent=1)

@@ -7,6 +7,11 @@ logger's records with ``mcrdl model`` (docs/results/model_validation.md):
     mcrdl model examples/model/workload_megatron.json --compare-log out/log-megatron \\
         --log-iterations 4 --bench docs/results/tune-sweep-2ranks.json --table docs/results/tuning-2ranks.json
 
+With ``--calibrate K`` it logs K steps after the warm-up to
+``$MCRDL_COMMS_LOG_DIR/calibration`` first, then the ``--steps`` measured
+ones: the model calibrated from the job's own earlier calls
+(``mcrdl model --calibrate-log LOG/calibration --compare-log LOG``).
+
 The first argument names the workload (megatron, moe, ddp, dlrm); the rest are
 that workload's options (``examples/workloads/<name>.py --help``). Unlike the
 workload runner (src/mcrdl/workloads/common.py), this initialises once, builds
@@ -19,12 +24,13 @@ mode), else mcrdl's defaults.
 """
 import importlib
 import json
+import os
 import sys
 
 import torch
 
 import mcrdl
-from mcrdl.features.logger import comms_reset
+from mcrdl.features.logger import comms_reset, export_comms
 from mcrdl.workloads.common import init_kwargs, parser
 
 
@@ -34,7 +40,13 @@ def main(argv=None) -> int:
         print("usage: log_workload.py {megatron,moe,ddp,dlrm} [workload options]", file=sys.stderr)
         return 2
     workload = importlib.import_module(f"mcrdl.workloads.{argv[0]}").WORKLOAD
-    args = parser(workload).parse_args(argv[1:])
+    p = parser(workload)
+    p.add_argument("--calibrate", type=int, default=0, metavar="K",
+                   help="log K steps before the measured ones to MCRDL_COMMS_LOG_DIR/calibration "
+                        "(mcrdl model --calibrate-log)")
+    args = p.parse_args(argv[1:])
+    if args.calibrate and not os.environ.get("MCRDL_COMMS_LOG_DIR"):
+        p.error("--calibrate needs MCRDL_COMMS_LOG_DIR (and MCRDL_COMMS_LOG=1)")
     torch.set_num_threads(args.threads)
     table = None
     if args.table:
@@ -44,8 +56,13 @@ def main(argv=None) -> int:
     mcrdl.init_process_group(timeout=args.timeout, **init_kwargs(kind, None, workload.ops, table, None))
     try:
         workload.build(args, kind, None, 0)
-        for i in range(args.warmup + args.steps):
+        first = args.warmup + args.calibrate
+        for i in range(first + args.steps):
             if i == args.warmup:
+                comms_reset()
+            if args.calibrate and i == first:
+                export_comms(os.path.join(os.environ["MCRDL_COMMS_LOG_DIR"], "calibration"))
+                mcrdl.barrier()  # rank 0 writes the plots: no measured call waits for it
                 comms_reset()
             loss = workload.step(i)
         if mcrdl.get_rank() == 0:

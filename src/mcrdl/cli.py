@@ -394,6 +394,9 @@ def parser() -> argparse.ArgumentParser:
                          "repeat it to combine several sweeps (median per size)")
     mo.add_argument("--table", help="tuning table deciding the backend (default: fastest fit)")
     mo.add_argument("--out", help="write matrix.png, breakdown.png and model.json here")
+    mo.add_argument("--calibrate-log", metavar="LOG",
+                    help="logger export of this job's own calls: correct each logged op's time to what it "
+                         "cost there (docs/model.md, 'Calibrating from the job')")
     mo.add_argument("--compare-log", help="logger export (directory or records_rank*.json) to compare with")
     mo.add_argument("--log-iterations", type=int, default=1, help="iterations in the logged run")
     mo.add_argument("--sweep", type=int, metavar="WORLD", help="rank every valid (p, t, d) on WORLD ranks")

@@ -316,6 +316,62 @@ class CostModel:
             pass  # from_dict reports it with the path
         self.table = TuningTable.from_dict(doc, known=names, source=path)
 
+    def calibrate(self, docs, label: str = "logged calls") -> None:
+        """Fit the per-size correction of every (op, backend) a logger export
+        (``load_log``'s documents) ran to the job's own calls: per power-of-two
+        size bucket, the calls' total arrival-corrected time
+        (:func:`mcrdl.features.logger.arrival_times`) over their total
+        uncorrected alpha-beta time at each call's group size, placed at the
+        bucket's mean size. So at the logged sizes a call costs what it cost
+        in the job on average, compute interference included (totals, not
+        medians: the model predicts totals); alpha-beta still carries it to
+        other sizes and groups. Receives are skipped
+        (the model counts sends); an (op, backend) with no fit of its own
+        gets a fit of the logged points. An all_to_all_single whose per-rank
+        counts differ calibrates ``all_to_allv`` (MPI Alltoallv), one with
+        equal counts ``all_to_all``."""
+        from ..features.logger import arrival_times
+
+        points: dict = {}  # (model op, backend) -> [(bytes, group size, us)]
+        for doc, times in zip(docs, arrival_times(docs)):
+            for rec, t in zip(doc["records"], times):
+                op = rec["op"]
+                if rec.get("end", -1) < 0 or not math.isfinite(t) or op in ("recv", "irecv", "barrier"):
+                    continue
+                uneven = op == "all_to_all_single" and len(set(rec.get("counts") or ())) > 1
+                model_op = "all_to_allv" if uneven else OP_CLASS.get(op, op)
+                if model_op not in MODEL_OPS:
+                    continue
+                group = 2 if model_op == "p2p" else len(rec.get("ranks") or ())
+                if group >= 2 and t > 0:
+                    points.setdefault((model_op, rec["backend"]), []).append((rec["nbytes"], group, t * 1e6))
+        if not points:
+            raise ValueError(f"{label}: no completed collective or send to calibrate from")
+        calls = 0
+        for (op, backend), pts in sorted(points.items()):
+            base = self.fits.get((op, backend)) or self.fit_for(op, backend)
+            if base is None:
+                g = pts[0][1]
+                same = [(n, t) for n, gg, t in pts if gg == g]
+                base = make_fit(op, backend, [n for n, _ in same], [t for _, t in same], g, "")
+            line = replace(base, curve=())
+            buckets: dict = {}  # power-of-two size bucket -> [sizes, measured us, fitted us]
+            for n, g, t in pts:
+                fitted = line.time_us(n, g)
+                if n > 0 and fitted > 0:
+                    b = buckets.setdefault(n.bit_length(), [[], 0.0, 0.0])
+                    b[0].append(n)
+                    b[1] += t
+                    b[2] += fitted
+            if not buckets:
+                continue
+            curve = tuple((sum(ns) / len(ns), meas / fitted) for _, (ns, meas, fitted) in sorted(buckets.items()))
+            calls += sum(len(b[0]) for b in buckets.values())
+            self.fits[(op, backend)] = replace(line, op=op, curve=curve, points=len(pts),
+                                               source=f"{base.source or 'fit'}, calibrated from {len(pts)} "
+                                                      f"{op} call records in {label}")
+        self.source += f"; calibrated from {calls} call records in {label}"
+
     # -- queries ---------------------------------------------------------------------------
     @property
     def backends(self) -> list[str]:

@@ -317,7 +317,7 @@ def to_json(est: Estimate, cost: CostModel, matrix: dict) -> dict:
 
 # -- the command -------------------------------------------------------------------------------
 def cli_main(args) -> int:
-    """``mcrdl model CONFIG [--bench] [--table] [--out] [--compare-log] [--sweep]``."""
+    """``mcrdl model CONFIG [--bench] [--calibrate-log] [--table] [--out] [--compare-log] [--sweep]``."""
     from rich.console import Console
 
     cfg = load_config(args.config)
@@ -327,6 +327,8 @@ def cli_main(args) -> int:
             cost.add_declared(cfg.alpha_beta)
     else:
         cost = default_cost(cfg)
+    if args.calibrate_log:
+        cost.calibrate(load_log(args.calibrate_log), args.calibrate_log)
     if args.table:
         cost.load_table(args.table)
     est = estimate(cfg, cost, args.peak_tflops, args.utilization)
