@@ -59,13 +59,14 @@ def test_traffic_row_follows_known_algorithms():
     add(lg, "broadcast", "mpi", 100, 1e-3, root=0)                 # rank 1 is not the root
     add(lg, "reduce", "mpi", 100, 1e-3, root=3)                    # to root 3
     add(lg, "all_to_all_single", "mpi", 60, 1e-3, counts=[10, 20, 30, 0])
+    add(lg, "all_to_all_single", "mpi", 400, 1e-3)                # no split sizes: S/n to each
     add(lg, "send", "mpi", 7, 1e-3, ranks=(0, 1, 2, 3), root=0)
     add(lg, "recv", "mpi", 9, 1e-3, ranks=(0, 1, 2, 3), root=0)
     rows = lg.traffic_row()
     assert rows["all_reduce"] == [0, 0, 1500, 0]
     assert rows["broadcast"] == [0, 0, 0, 0]
     assert rows["reduce"] == [0, 0, 0, 100]
-    assert rows["all_to_all"] == [10, 0, 30, 0]   # not to itself
+    assert rows["all_to_all"] == [110, 0, 130, 100]   # not to itself
     assert rows["p2p"] == [7, 0, 0, 0]            # sends only
 
 

@@ -45,8 +45,10 @@ def main(argv=None) -> int:
                    help="log K steps before the measured ones to MCRDL_COMMS_LOG_DIR/calibration "
                         "(mcrdl model --calibrate-log)")
     args = p.parse_args(argv[1:])
-    if args.calibrate and not os.environ.get("MCRDL_COMMS_LOG_DIR"):
-        p.error("--calibrate needs MCRDL_COMMS_LOG_DIR (and MCRDL_COMMS_LOG=1)")
+    if args.calibrate < 0:
+        p.error(f"--calibrate must be >= 0, got {args.calibrate}")
+    if args.calibrate and not (os.environ.get("MCRDL_COMMS_LOG") == "1" and os.environ.get("MCRDL_COMMS_LOG_DIR")):
+        p.error("--calibrate needs MCRDL_COMMS_LOG=1 and MCRDL_COMMS_LOG_DIR")
     torch.set_num_threads(args.threads)
     table = None
     if args.table:
@@ -60,9 +62,8 @@ def main(argv=None) -> int:
         for i in range(first + args.steps):
             if i == args.warmup:
                 comms_reset()
-            if args.calibrate and i == first:
-                export_comms(os.path.join(os.environ["MCRDL_COMMS_LOG_DIR"], "calibration"))
-                mcrdl.barrier()  # rank 0 writes the plots: no measured call waits for it
+            if args.calibrate and i == first:  # each rank its records only: no pause before the next step
+                export_comms(os.path.join(os.environ["MCRDL_COMMS_LOG_DIR"], "calibration"), records_only=True)
                 comms_reset()
             loss = workload.step(i)
         if mcrdl.get_rank() == 0:

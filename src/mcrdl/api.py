@@ -1002,10 +1002,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                 if out_counts is None or in_counts is None:  # the general path names what is wrong
                     return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
                                               async_op, backend)
-            counts = None  # bytes per peer, for the logger only
-            if rt.logger is not None:
-                counts = ([input.nbytes // g.size] * g.size if even
-                          else [c * input.element_size() for c in in_counts])
+            counts = None  # bytes per peer with split sizes (Alltoallv), for the logger only
+            if rt.logger is not None and not even:
+                counts = [c * input.element_size() for c in in_counts]
             _block(rt, g, "all_to_all_single", name, run, (output, input, out_counts, in_counts),
                    input.nbytes, (input,), (output,), counts=counts)
             return None
@@ -1089,7 +1088,7 @@ def _all_to_all_single(output, input, output_split_sizes, input_split_sizes, gro
                    lambda b, h: b.all_to_all_single(h, out, inp, *counts),
                    reads=(input,), writes=(output,), post=post, result=[output],
                    invariant={"row": list(input.shape[1:]), "split sizes": "none" if even else "given"},
-                   agree=not even, skip_empty=False, counts=in_counts)
+                   agree=not even, skip_empty=False, counts=None if even else in_counts)
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],

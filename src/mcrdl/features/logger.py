@@ -62,7 +62,7 @@ class Record:
     start: float       # seconds since the logger started (perf_counter based)
     end: float = -1.0  # -1 until the op completed
     root: int = -1     # group rank of root/peer (rooted ops, p2p)
-    counts: Optional[list] = None  # all-to-all: bytes sent to each group rank
+    counts: Optional[list] = None  # all-to-all with split sizes or lists (Alltoallv): bytes to each group rank
 
     @property
     def latency(self) -> float:
@@ -162,8 +162,8 @@ class CommsLogger:
         algorithms' known traffic: all-reduce as a ring (2(n-1)/n of S to the
         next rank), all-gather and reduce-scatter as a ring ((n-1)/n of S),
         broadcast and scatter linear from the root (S, S/n to each), reduce and
-        gather linear to the root (S, S/n), all-to-all by its splits,
-        send exact."""
+        gather linear to the root (S, S/n), all-to-all by its splits (S/n
+        to each without), send exact."""
         rows: dict[str, list[float]] = {}
         me = self.rank
         for r in self.completed():
@@ -188,8 +188,8 @@ class CommsLogger:
             elif cls in ("reduce", "gather"):
                 if i != r.root:
                     row[ranks[r.root]] += S if cls == "reduce" else S / n
-            elif cls == "all_to_all" and r.counts is not None:
-                for j, c in enumerate(r.counts):
+            elif cls == "all_to_all":  # by its splits; without (counts None) S/n to each
+                for j, c in enumerate(r.counts or [S / n] * n):
                     if j != i:
                         row[ranks[j]] += c
             elif r.op in ("send", "isend"):
@@ -403,14 +403,18 @@ def print_comms_summary(summary: Optional[dict] = None) -> None:
         console.print(a)
 
 
-def export_comms(directory: str) -> dict:
+def export_comms(directory: str, records_only: bool = False) -> dict:
     """Write every rank's records and, on rank 0, the merged Chrome trace, the
     communication matrix (JSON + heatmap PNG) and the summary. Collective over
-    the world. Returns the paths written on this rank."""
+    the world. With ``records_only`` each rank writes its records file and
+    nothing else, with no communication: a cheap snapshot in the middle of a
+    run. Returns the paths written on this rank."""
     lg = _logger()
     os.makedirs(directory, exist_ok=True)
     paths = {"records": os.path.join(directory, f"records_rank{lg.rank}.json")}
     write_json(paths["records"], lg.to_json())
+    if records_only:
+        return paths
     gathered = lg.gather({"events": lg.trace_events(), "traffic": lg.traffic_row(),
                           "doc": lg.to_json()})
     if lg.rank != 0:

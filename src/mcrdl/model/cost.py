@@ -317,19 +317,21 @@ class CostModel:
         self.table = TuningTable.from_dict(doc, known=names, source=path)
 
     def calibrate(self, docs, label: str = "logged calls") -> None:
-        """Fit the per-size correction of every (op, backend) a logger export
-        (``load_log``'s documents) ran to the job's own calls: per power-of-two
-        size bucket, the calls' total arrival-corrected time
+        """Correct every (op, backend) that a logger export (``load_log``'s
+        documents) ran, and that this model has alpha-beta values for, to the
+        job's own calls. Calls are pooled per size bucket (sizes within a
+        factor of sqrt(2) of a power of two): the correction at the bucket's
+        mean size is the calls' total arrival-corrected time
         (:func:`mcrdl.features.logger.arrival_times`) over their total
-        uncorrected alpha-beta time at each call's group size, placed at the
-        bucket's mean size. So at the logged sizes a call costs what it cost
-        in the job on average, compute interference included (totals, not
-        medians: the model predicts totals); alpha-beta still carries it to
-        other sizes and groups. Receives are skipped
-        (the model counts sends); an (op, backend) with no fit of its own
-        gets a fit of the logged points. An all_to_all_single whose per-rank
-        counts differ calibrates ``all_to_allv`` (MPI Alltoallv), one with
-        equal counts ``all_to_all``."""
+        uncorrected alpha-beta time at each call's group size. So a call of
+        a bucket's mean size on one group size costs the mean of the bucket's
+        calls in the job, compute interference included (means, not medians:
+        the model predicts totals); alpha-beta carries it to other sizes and groups, and the
+        bench's own per-size correction is replaced. Receives and barriers are
+        not used (the model counts sends); an all-to-all logged with split
+        sizes or lists (``counts``: MPI Alltoallv) calibrates ``all_to_allv``,
+        one without ``all_to_all``. A backend with no alpha-beta values is left
+        out (a note says so): one op's calls cannot give the others'."""
         from ..features.logger import arrival_times
 
         points: dict = {}  # (model op, backend) -> [(bytes, group size, us)]
@@ -338,39 +340,38 @@ class CostModel:
                 op = rec["op"]
                 if rec.get("end", -1) < 0 or not math.isfinite(t) or op in ("recv", "irecv", "barrier"):
                     continue
-                uneven = op == "all_to_all_single" and len(set(rec.get("counts") or ())) > 1
-                model_op = "all_to_allv" if uneven else OP_CLASS.get(op, op)
-                if model_op not in MODEL_OPS:
-                    continue
+                cls = OP_CLASS.get(op, op)
+                model_op = "all_to_allv" if cls == "all_to_all" and rec.get("counts") is not None else cls
                 group = 2 if model_op == "p2p" else len(rec.get("ranks") or ())
-                if group >= 2 and t > 0:
+                if model_op in MODEL_OPS and group >= 2 and t > 0 and rec["nbytes"] > 0:
                     points.setdefault((model_op, rec["backend"]), []).append((rec["nbytes"], group, t * 1e6))
-        if not points:
-            raise ValueError(f"{label}: no completed collective or send to calibrate from")
-        calls = 0
+        bases = {key: self.fit_for(*key) for key in points}  # before any is replaced
+        used = 0
         for (op, backend), pts in sorted(points.items()):
-            base = self.fits.get((op, backend)) or self.fit_for(op, backend)
+            base = bases[(op, backend)]
             if base is None:
-                g = pts[0][1]
-                same = [(n, t) for n, gg, t in pts if gg == g]
-                base = make_fit(op, backend, [n for n, _ in same], [t for _, t in same], g, "")
-            line = replace(base, curve=())
-            buckets: dict = {}  # power-of-two size bucket -> [sizes, measured us, fitted us]
-            for n, g, t in pts:
-                fitted = line.time_us(n, g)
-                if n > 0 and fitted > 0:
-                    b = buckets.setdefault(n.bit_length(), [[], 0.0, 0.0])
-                    b[0].append(n)
-                    b[1] += t
-                    b[2] += fitted
-            if not buckets:
+                self.notes.append(f"{op}/{backend}: {len(pts)} logged calls not used (no alpha-beta "
+                                  f"values for {backend}: give --bench results that include it)")
                 continue
-            curve = tuple((sum(ns) / len(ns), meas / fitted) for _, (ns, meas, fitted) in sorted(buckets.items()))
-            calls += sum(len(b[0]) for b in buckets.values())
-            self.fits[(op, backend)] = replace(line, op=op, curve=curve, points=len(pts),
-                                               source=f"{base.source or 'fit'}, calibrated from {len(pts)} "
-                                                      f"{op} call records in {label}")
-        self.source += f"; calibrated from {calls} call records in {label}"
+            line = replace(base, op=op, curve=())
+            buckets: dict = {}  # round(log2 n) -> [sizes, measured us, fitted us]
+            for n, g, t in pts:
+                b = buckets.setdefault(round(math.log2(n)), [[], 0.0, 0.0])
+                b[0].append(n)
+                b[1] += t
+                b[2] += line.time_us(n, g)
+            curve = tuple((sum(ns) / len(ns), meas / fitted)
+                          for _, (ns, meas, fitted) in sorted(buckets.items()) if fitted > 0)
+            if not curve:
+                continue
+            used += len(pts)
+            self.fits[(op, backend)] = replace(line, curve=curve, points=len(pts),
+                                               source=f"{base.source}; corrected by {len(pts)} "
+                                                      f"call records in {label}")
+        if not used:
+            raise ValueError(f"{label}: no completed collective or send with data that this model "
+                             f"has alpha-beta values for")
+        self.source = "; ".join(x for x in (self.source, f"corrected by {used} call records in {label}") if x)
 
     # -- queries ---------------------------------------------------------------------------
     @property
