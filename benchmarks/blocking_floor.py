@@ -1,0 +1,99 @@
+"""The floor under mcrdl's MPI hot path: each collective as MPICH's blocking
+call (what raw mpi4py and OSU's C benchmarks time) against its nonblocking form
+completed by an ``MPI_Test`` spin (what mcrdl's compiled path runs, so that
+every wait has a deadline and other libraries keep progressing: DESIGN hazards
+1 and 6), both in C with nothing else in the loop (benchmarks/c/blocking_loop.c,
+built with the job's mpicc).
+
+    mcrdl run -n 2 benchmarks/blocking_floor.py [--sizes 4,1K,16K,256K] [--rounds 5] [--json out.json]
+
+Per size, ``R`` rounds; each round runs every (op, form) once, alternating the
+forms; a value is the slowest rank's seconds per call; the report is the median
+over rounds of the nonblocking / blocking ratio, with both medians in µs.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from mpi4py import MPI
+from rich.console import Console
+from rich.table import Table
+
+from allreduce_latency import parse_size
+
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "all_to_all", "reduce_scatter"]
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "blocking_loop.c")
+
+
+def build(workdir: str):
+    mpicc = os.path.join(os.path.dirname(sys.executable), "mpicc")
+    mpicc = mpicc if os.path.exists(mpicc) else shutil.which("mpicc")
+    if mpicc is None:
+        raise RuntimeError("no mpicc beside this Python or on PATH")
+    lib = os.path.join(workdir, f"blocking_loop_{MPI.COMM_WORLD.Get_rank()}.so")
+    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", SRC, "-o", lib], check=True)
+    fn = ctypes.CDLL(lib).blocking_loop
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="4,1K,16K,256K", help="bytes per rank, comma-separated")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json")
+    a = p.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, n = comm.Get_rank(), comm.Get_size()
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    with tempfile.TemporaryDirectory() as work:
+        loop = build(work)
+        results = []
+        for nbytes in sizes:
+            count = nbytes // 4
+            buf_a, buf_b = np.zeros(count, np.float32), np.zeros(count * n, np.float32)
+            iters = max(200, min(5000, (1 << 24) // max(nbytes, 1) // 8))
+            for op_id, op in enumerate(OPS):
+                times = {False: [], True: []}
+                for r in range(a.rounds):
+                    for nb in ((False, True) if r % 2 == 0 else (True, False)):
+                        t = loop(comm.py2f(), op_id, int(nb), buf_a.ctypes.data, buf_b.ctypes.data, count,
+                                 iters, max(iters // 10, 20))
+                        times[nb].append(comm.allreduce(t, op=MPI.MAX) * 1e6)
+                ratios = [x / y for x, y in zip(times[True], times[False])]
+                results.append({"op": op, "bytes": nbytes, "iters": iters, "blocking_us": statistics.median(times[False]),
+                                "nonblocking_us": statistics.median(times[True]),
+                                "ratio": statistics.median(ratios), "ratios": ratios})
+    if rank == 0:
+        table = Table(title=f"MPI nonblocking + MPI_Test spin / blocking, {n} ranks, median of {a.rounds} rounds "
+                            f"({MPI.Get_library_version().splitlines()[0].strip()})")
+        table.add_column("op")
+        for nbytes in sizes:
+            table.add_column(f"{nbytes} B", justify="right")
+        for op in OPS:
+            cells = [next(r for r in results if r["op"] == op and r["bytes"] == s) for s in sizes]
+            table.add_row(op, *(f"{c['nonblocking_us']:.2f} / {c['blocking_us']:.2f} us = {c['ratio']:.2f}x"
+                                for c in cells))
+        Console(width=200).print(table)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"benchmark": "blocking_floor", "world_size": n, "rounds": a.rounds,
+                           "command": "mcrdl run -n %d benchmarks/blocking_floor.py %s" % (n, " ".join(sys.argv[1:])),
+                           "results": results}, f, indent=1)
+                f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
