@@ -430,6 +430,17 @@ def test_layers_benchmark_gives_equal_results_and_records_every_cell(tmp_path):
     assert all(r["torch_alone_us"] > 0 for r in doc["results"] if r["layer"] == "torch")
 
 
+# -- benchmarks/blocking_floor.py ------------------------------------------------------------
+def test_blocking_floor_benchmark_builds_and_times_every_op_both_ways(tmp_path):
+    out = tmp_path / "floor.json"
+    ok(mcrdl_cli("run", "-n", "2", ROOT / "benchmarks" / "blocking_floor.py", "--sizes", "4,1K", "--rounds", "2",
+                 "--json", out, timeout=300))
+    doc = json.loads(out.read_text())
+    ops = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "all_to_all", "reduce_scatter"]
+    assert sorted((r["op"], r["bytes"]) for r in doc["results"]) == sorted((o, b) for o in ops for b in (4, 1024))
+    assert all(r["blocking_us"] > 0 and r["nonblocking_us"] > 0 and len(r["ratios"]) == 2 for r in doc["results"])
+
+
 # -- benchmarks/autotune.py ------------------------------------------------------------------
 def test_autotune_benchmark_records_both_conditions(tmp_path):
     """Idle and one-core-busy demos, every workload; every autotuned run
