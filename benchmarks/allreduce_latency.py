@@ -43,9 +43,9 @@ SHORT = {"mcrdl mpi": "mcrdl mpi", "mcrdl gloo": "mcrdl gloo",
 C_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "allreduce_loop.c")
 
 
-def build_c_loop(workdir: str):
-    """benchmarks/c/allreduce_loop.c built with the job's own mpicc (the one
-    beside this Python, e.g. the mpich wheel's) and loaded: the C baseline."""
+def build_c(src: str, workdir: str):
+    """A C file of benchmarks/c built with the job's own mpicc (the one beside
+    this Python, e.g. the mpich wheel's) and loaded (ctypes.CDLL)."""
     import ctypes
     import shutil
     import subprocess
@@ -54,9 +54,16 @@ def build_c_loop(workdir: str):
     mpicc = mpicc if os.path.exists(mpicc) else shutil.which("mpicc")
     if mpicc is None:
         raise RuntimeError("no mpicc beside this Python or on PATH: cannot build the C baseline")
-    lib = os.path.join(workdir, "allreduce_loop.so")
-    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", C_LOOP, "-o", lib], check=True)
-    fn = ctypes.CDLL(lib).allreduce_loop
+    lib = os.path.join(workdir, os.path.splitext(os.path.basename(src))[0] + ".so")
+    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
+    return ctypes.CDLL(lib)
+
+
+def build_c_loop(workdir: str):
+    """benchmarks/c/allreduce_loop.c, built and loaded: the C baseline."""
+    import ctypes
+
+    fn = build_c(C_LOOP, workdir).allreduce_loop
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return fn

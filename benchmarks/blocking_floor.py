@@ -17,9 +17,7 @@ import argparse
 import ctypes
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -28,20 +26,14 @@ from mpi4py import MPI
 from rich.console import Console
 from rich.table import Table
 
-from allreduce_latency import parse_size
+from allreduce_latency import build_c, parse_size
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "all_to_all", "reduce_scatter"]
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "blocking_loop.c")
 
 
 def build(workdir: str):
-    mpicc = os.path.join(os.path.dirname(sys.executable), "mpicc")
-    mpicc = mpicc if os.path.exists(mpicc) else shutil.which("mpicc")
-    if mpicc is None:
-        raise RuntimeError("no mpicc beside this Python or on PATH")
-    lib = os.path.join(workdir, f"blocking_loop_{MPI.COMM_WORLD.Get_rank()}.so")
-    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", SRC, "-o", lib], check=True)
-    fn = ctypes.CDLL(lib).blocking_loop
+    fn = build_c(SRC, workdir).blocking_loop
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int]
