@@ -59,7 +59,7 @@ def test_saved_table_loads_and_selects_what_was_learned(tmp_path):
     row = next(r for r in rows if r["op"] == "all_reduce" and r["min_bytes"] == 1024)
     out = subprocess.run([sys.executable, "-m", "mcrdl.cli", "explain", "all_reduce", "1500", "--group-size",
                           "2", "--table", str(path)], capture_output=True, text=True, timeout=120).stdout
-    assert re.search(rf"all_reduce of 1500 B, group size 2: {row['winner']} \(tuning table .*learned "
+    assert re.search(rf"all_reduce of 1500 B on cpu, group size 2: {row['winner']} \(tuning table .*learned "
                      r"in-situ by group world: mpi [\d.]+ us, gloo [\d.]+ us", out), out
 
 
@@ -123,11 +123,11 @@ def test_saved_rules_keep_the_seed_table_outside_the_learned_buckets():
     k.winner, k.agreed, k.how = "gloo", {"mpi": 2.0, "gloo": 1.0}, "measured fastest"
     buckets[("all_reduce", "cpu", 11)] = k  # 1024-2047 B learned: gloo
     doc = tuner.table(2)
-    assert doc["rules"]["all_reduce"]["2"] == [{"max_bytes": 1023, "backend": "mpi"},
+    assert doc["rules"]["cpu"]["all_reduce"]["2"] == [{"max_bytes": 1023, "backend": "mpi"},
                                                {"max_bytes": 2047, "backend": "gloo"},
                                                {"max_bytes": 65535, "backend": "mpi"},
                                                {"max_bytes": None, "backend": "gloo"}]
-    assert doc["rules"]["broadcast"] == {"2": [{"max_bytes": None, "backend": "gloo"}]}  # not learned: kept
+    assert doc["rules"]["cpu"]["broadcast"] == {"2": [{"max_bytes": None, "backend": "gloo"}]}  # not learned: kept
     table = TuningTable.from_dict(json.loads(json.dumps(doc)), REGISTRY)
     assert table.learned("all_reduce", 2, 1500).startswith("learned in-situ by group world: mpi 2.0 us")
     assert table.learned("all_reduce", 2, 4000) is None
@@ -143,9 +143,9 @@ def test_saved_rules_merge_buckets_and_cover_every_size():
         k.winner, k.agreed, k.how = w, {"mpi": 1.0, "gloo": 2.0}, "measured fastest"
         buckets[("all_reduce", "cpu", b)] = k
     doc = tuner.table(2)
-    assert doc["rules"] == {"all_reduce": {"2": [{"max_bytes": 7, "backend": "gloo"},
-                                                 {"max_bytes": 4095, "backend": "mpi"},
-                                                 {"max_bytes": None, "backend": "gloo"}]}}
+    assert doc["rules"] == {"cpu": {"all_reduce": {"2": [{"max_bytes": 7, "backend": "gloo"},
+                                                         {"max_bytes": 4095, "backend": "mpi"},
+                                                         {"max_bytes": None, "backend": "gloo"}]}}}
     table = TuningTable.from_dict(json.loads(json.dumps(doc)), REGISTRY)
     assert table.lookup("all_reduce", 2, 1500) == "mpi" and table.lookup("all_reduce", 2, 1 << 30) == "gloo"
 

@@ -183,10 +183,11 @@ def test_tune_writes_a_loadable_table(tune_run):
     dt.datetime.fromisoformat(meta["date"])
     assert meta["sweep"]["ops"] == OPS and meta["sweep"]["backends"] == LIVE
     doc = json.loads(paths["out"].read_text())
-    assert set(doc["rules"]) == set(OPS)
+    assert list(doc["rules"]) == ["cpu"] and meta["device"] == "cpu"
+    assert set(doc["rules"]["cpu"]) == set(OPS)
     for op in OPS:
-        assert list(doc["rules"][op]) == ["2"]
-        rules = doc["rules"][op]["2"]
+        assert list(doc["rules"]["cpu"][op]) == ["2"]
+        rules = doc["rules"]["cpu"][op]["2"]
         assert rules[-1]["max_bytes"] is None
         assert all(r["backend"] in LIVE and isinstance(r["margin"], (int, float)) for r in rules)
         assert table.lookup(op, 2, 1 << 30) == rules[-1]["backend"]
@@ -238,7 +239,7 @@ def _table_sizes(doc):
     just above it, and far beyond the last."""
     table = TuningTable.from_dict(doc, KNOWN)
     sizes = {4, 65536, 1 << 20}
-    for r in doc["rules"]["all_reduce"]["2"]:
+    for r in doc["rules"]["cpu"]["all_reduce"]["2"]:
         if r["max_bytes"] is not None:
             sizes |= {max(r["max_bytes"] // 4 * 4, 4), r["max_bytes"] // 4 * 4 + 4}
     return [f"{s}:{table.lookup('all_reduce', 2, s)}" for s in sorted(sizes)]
@@ -306,8 +307,8 @@ def test_tune_measures_a_minority_winner_again(tmp_path):
     assert "measured again (won by a minority backend): all_reduce 64K" in out, out[-3000:]
     assert "winners changed: all_reduce 64K gloo -> mpi_slow_phase" in out, out[-3000:]
     doc = json.loads(table.read_text())
-    assert doc["rules"]["all_reduce"]["2"] == [
-        {"max_bytes": None, "backend": "mpi_slow_phase", "margin": doc["rules"]["all_reduce"]["2"][0]["margin"]}]
+    assert doc["rules"]["cpu"]["all_reduce"]["2"] == [
+        {"max_bytes": None, "backend": "mpi_slow_phase", "margin": doc["rules"]["cpu"]["all_reduce"]["2"][0]["margin"]}]
     assert doc["metadata"]["decision"]["remeasured"] == {"all_reduce": [65536]}
 
 
@@ -390,9 +391,44 @@ def test_tune_one_backend(tmp_path):
     ok(mcrdl_cli("tune", "-n", "2", "--backends", "gloo", "--ops", "all_reduce", "--out", out,
                  *SHORT, timeout=120))
     doc = json.loads(out.read_text())
-    assert doc["rules"] == {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo",
-                                                   "margin": 0.0}]}}
+    assert doc["rules"] == {"cpu": {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo",
+                                                           "margin": 0.0}]}}}
     assert doc["metadata"]["sweep"]["backends"] == ["gloo"]
+
+
+def test_tune_merge_keeps_the_other_devices_rules(tmp_path):
+    """`--merge OLD`: the table written has the device just measured from the
+    sweep and OLD's rules for every other device type (a v1 file's are cpu)."""
+    old = tmp_path / "old.json"
+    cuda = {"all_reduce": {"2": [{"max_bytes": 4096, "backend": "mpi"}, {"max_bytes": None, "backend": "nccl"}]}}
+    old.write_text(json.dumps({"format": "mcrdl-tuning/2", "metadata": {"note": "from the GPU run"},
+                               "rules": {"cpu": {"broadcast": {"2": [{"max_bytes": None, "backend": "mpi"}]}},
+                                         "cuda": cuda}}))
+    out = tmp_path / "t.json"
+    ok(mcrdl_cli("tune", "-n", "2", "--device", "cpu", "--backends", "gloo", "--ops", "all_reduce",
+                 "--merge", old, "--out", out, *SHORT, timeout=120))
+    doc = json.loads(out.read_text())
+    assert doc["rules"] == {"cpu": {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo", "margin": 0.0}]}},
+                            "cuda": cuda}  # OLD's cpu rules are replaced, not mixed in
+    assert doc["metadata"]["merged"] == {"table": str(old), "devices": ["cuda"],
+                                         "metadata": {"note": "from the GPU run"}}
+    assert doc["metadata"]["device"] == "cpu"
+    TuningTable.from_dict(doc, KNOWN)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "mcrdl-tuning/2", "rules": {"tpu": {}}}')
+    proc = mcrdl_cli("tune", "-n", "2", "--backends", "gloo", "--ops", "all_reduce", "--merge", bad,
+                     "--out", tmp_path / "u.json", *SHORT, timeout=120)
+    assert proc.returncode != 0 and "bad.json: rules.tpu: unknown device type" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "u.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_and_tune_on_cuda_without_a_gpu_say_so():
+    for cmd in ("bench", "tune"):
+        proc = mcrdl_cli(cmd, "-n", "2", "--device", "cuda", "--ops", "all_reduce", *SHORT, timeout=120)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.count("no live backend takes cuda tensors in this job (torch sees no CUDA device)") == 2, \
+            proc.stderr[-3000:]  # each rank says so and exits, no hang
 
 
 def test_tune_unknown_op(tmp_path):

@@ -14,9 +14,9 @@ from mcrdl import launcher
 ROOT = Path(__file__).parents[1]
 
 
-def mcrdl_cli(*args, timeout=120):
+def mcrdl_cli(*args, timeout=120, env=None):
     return subprocess.run([sys.executable, "-m", "mcrdl.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
 def test_mpiexec_command_uses_the_wheels_mpiexec_and_this_python():
@@ -215,3 +215,28 @@ def test_explain_follows_precedence(tmp_path):
     assert ": gloo (backend= given" in out
     proc = mcrdl_cli("explain", "all_reduce", "4M", "--table", str(tmp_path / "missing.json"))
     assert proc.returncode != 0 and "missing.json" in proc.stderr
+
+
+def test_explain_selects_by_device(tmp_path):
+    """One table, rules per device type: the device asked about picks the rules.
+    With MCRDL_MPI_CUDA_AWARE=1 the MPI backend declares CUDA tensors (a
+    capability: no GPU is touched by explain)."""
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"format": "mcrdl-tuning/2", "rules": {
+        "cpu": {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo"}]}},
+        "cuda": {"all_reduce": {"2": [{"max_bytes": 4096, "backend": "mpi"},
+                                      {"max_bytes": None, "backend": "gloo"}]}}}}))
+    env = {"MCRDL_MPI_CUDA_AWARE": "1"}
+    ask = lambda *a: mcrdl_cli("explain", "all_reduce", *a, "--group-size", "2", "--table", str(table), env=env)
+    out = ask("64", "--device", "cpu").stdout
+    assert "on cpu, group size 2: gloo (tuning table" in out and "all_reduce on cpu" in out, out
+    out = ask("64", "--device", "cuda").stdout
+    assert "on cuda, group size 2: mpi (tuning table" in out and "all_reduce on cuda" in out, out
+    out = ask("1M", "--device", "cuda").stdout  # gloo takes no CUDA tensors: the next choice, said so
+    assert ": mpi (default backend (skipped gloo: backend 'gloo' does not take cuda tensors))" in out, out
+    proc = mcrdl_cli("explain", "all_reduce", "64", "--device", "cuda")  # no backend takes CUDA tensors here
+    if not __import__("torch").cuda.is_available():
+        assert proc.returncode == 2 and "no live backend can run it" in proc.stderr, proc.stderr
+        assert "'mpi' does not take cuda tensors" in proc.stderr, proc.stderr
+    proc = mcrdl_cli("explain", "all_reduce", "64", "--device", "gpu")
+    assert proc.returncode == 2 and "invalid choice: 'gpu'" in proc.stderr

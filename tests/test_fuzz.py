@@ -269,9 +269,9 @@ def garbage_file(fmt: Format, data, workdir: Path):
 
 # -- tuning tables ------------------------------------------------------------------------------
 def check_table(table: TuningTable):
-    assert set(table.rules) <= set(SELECT_OPS)
-    for op, by_size in table.rules.items():
-        assert by_size
+    assert set(table.rules) <= {"cpu", "cuda"}
+    for device, op, by_size in ((d, op, by) for d, by_op in table.rules.items() for op, by in by_op.items()):
+        assert op in SELECT_OPS and by_size
         for g, rules in by_size.items():
             assert type(g) is int and 0 < g <= INT64_MAX
             assert rules
@@ -287,7 +287,7 @@ def check_table(table: TuningTable):
                 if "note" in r:
                     assert isinstance(r["note"], str)
             for n in (0, 1, 4096, INT64_MAX):
-                assert table.lookup(op, g, n) in KNOWN
+                assert table.lookup(op, g, n, device) in KNOWN
     assert isinstance(table.metadata, dict)
     TuningTable.from_dict(copy.deepcopy(table.to_dict()), KNOWN)
 
@@ -309,7 +309,7 @@ TABLE = Format(
     TuningTableError, check_table,
     free=lambda p: p[0] == "metadata" and len(p) > 1,
     open_keys=lambda p: p == ("metadata",),
-    required=lambda p: p in (("format",), ("rules",)) or (len(p) == 5 and p[-1] in ("max_bytes", "backend")))
+    required=lambda p: p in (("format",), ("rules",)) or (len(p) in (5, 6) and p[-1] in ("max_bytes", "backend")))
 
 
 # -- model descriptions -------------------------------------------------------------------------
@@ -555,7 +555,7 @@ LOG_DOC = _log_seed(0)
 
 
 def _rule(**kw):
-    return _with(TABLE_DOC, lambda d: d["rules"]["all_reduce"]["2"][0].update(kw))
+    return _with(TABLE_DOC, lambda d: d["rules"]["cpu"]["all_reduce"]["2"][0].update(kw))
 
 
 def _section(name, **kw):
@@ -572,14 +572,14 @@ def _log(**kw):
 
 @pytest.mark.parametrize("parser, doc, message", [
     # tuning tables
-    ("table", _rule(note=5), "rules.all_reduce.2[0].note: expected a string"),  # accepted
-    ("table", _rule(margin=math.nan), "rules.all_reduce.2[0].margin: expected a finite number"),  # accepted
-    ("table", _rule(margin=10 ** 400), "rules.all_reduce.2[0].margin: expected a finite number"),  # accepted
-    ("table", _rule(max_bytes=2 ** 63), "rules.all_reduce.2[0].max_bytes: expected a non-negative"),  # accepted
-    ("table", _with(TABLE_DOC, lambda d: d["rules"]["all_to_all"].update({"1" * 5000: []})),
-     "rules.all_to_all.111"),  # ValueError: Exceeds the limit (4300 digits), naming no file
+    ("table", _rule(note=5), "rules.cpu.all_reduce.2[0].note: expected a string"),  # accepted
+    ("table", _rule(margin=math.nan), "rules.cpu.all_reduce.2[0].margin: expected a finite number"),  # accepted
+    ("table", _rule(margin=10 ** 400), "rules.cpu.all_reduce.2[0].margin: expected a finite number"),  # accepted
+    ("table", _rule(max_bytes=2 ** 63), "rules.cpu.all_reduce.2[0].max_bytes: expected a non-negative"),  # accepted
+    ("table", _with(TABLE_DOC, lambda d: d["rules"]["cpu"]["all_to_all"].update({"1" * 5000: []})),
+     "rules.cpu.all_to_all.111"),  # ValueError: Exceeds the limit (4300 digits), naming no file
     ("table", _with(TABLE_DOC, lambda d: d.update(format="x" * 5000)),
-     "format: expected 'mcrdl-tuning/1', got 'xxx"),  # a 5000-character message
+     "format: expected 'mcrdl-tuning/2' (or 'mcrdl-tuning/1'), got 'xxx"),  # a 5000-character message
     # model descriptions
     ("config", _with(CONFIG_DOC, lambda d: d.update(comment=True)), "comment: expected a string"),  # accepted
     ("config", _section("compute", peak_tflops=10 ** 400),

@@ -42,7 +42,7 @@ ALL = ("mpi", "gloo", "nccl")
 # p2p, size 2: <=100 gloo, beyond mpi
 TABLE = {
     "format": FORMAT,
-    "rules": {
+    "rules": {"cpu": {
         "all_reduce": {"2": [{"max_bytes": 1024, "backend": "mpi"},
                              {"max_bytes": 65536, "backend": "gloo"},
                              {"max_bytes": None, "backend": "nccl"}]},
@@ -51,8 +51,9 @@ TABLE = {
                              {"max_bytes": None, "backend": "gloo"}]},
         "p2p": {"2": [{"max_bytes": 100, "backend": "gloo"},
                       {"max_bytes": None, "backend": "mpi"}]},
-    },
+    }},
 }
+TABLE["rules"]["cuda"] = {"all_reduce": TABLE["rules"]["cpu"]["all_reduce"]}  # the same ranges for CUDA tensors
 
 
 def tbl(live_names=KNOWN, doc=TABLE, source="<table>"):
@@ -212,7 +213,7 @@ def test_static_choice_that_cannot_run_falls_through_to_table():
     assert s.choose("all_reduce", 10, 2, "cpu", F32) == "mpi"
     name, why = s.explain("all_reduce", 10, 2, "cpu", F32)
     assert name == "mpi"
-    assert why.startswith("tuning table <table>: all_reduce, group size 2, 10 B")
+    assert why.startswith("tuning table <table>: all_reduce on cpu, group size 2, 10 B")
     assert "skipped nccl: backend 'nccl' does not take cpu tensors" in why
 
 
@@ -267,10 +268,10 @@ def test_capability_cache_keys_on_dtype_and_device():
 def test_explain_names_table_rule():
     s = sel(default="gloo", table=tbl(source="tables/h100.json"))
     assert s.explain("all_reduce", 2000, 2) == \
-        ("gloo", "tuning table tables/h100.json: all_reduce, group size 2, 2000 B")
+        ("gloo", "tuning table tables/h100.json: all_reduce on cpu, group size 2, 2000 B")
     # the reason names the class, not the API op name
     assert s.explain("all_to_all_single", 10, 4) == \
-        ("mpi", "tuning table tables/h100.json: all_to_all, group size 4, 10 B")
+        ("mpi", "tuning table tables/h100.json: all_to_all on cpu, group size 4, 10 B")
 
 
 def test_explain_matches_choose():
@@ -337,3 +338,28 @@ def test_op_class_covers_selector_ops():
     s = sel()
     for op in OP_CLASS:
         assert s.choose(op, 10, 2, "cpu", F32) == "mpi"
+
+
+def test_table_rules_are_per_device():
+    """Each device type has its own rules; a device without rules for the op
+    goes to the default, and a v1 table's rules are the cpu rules only."""
+    doc = {"format": FORMAT, "rules": {
+        "cpu": {"all_reduce": {"2": [{"max_bytes": None, "backend": "mpi"}]}},
+        "cuda": {"all_reduce": {"2": [{"max_bytes": 4096, "backend": "gloo"}, {"max_bytes": None, "backend": "nccl"}]},
+                 "all_to_all": {"2": [{"max_bytes": 64, "backend": "gloo"}, {"max_bytes": None, "backend": "nccl"}]}}}}
+    s = sel(default="gloo", table=tbl(doc=doc))
+    assert s.choose("all_reduce", 8192, 2, "cpu", F32) == "mpi"
+    assert s.choose("all_reduce", 8192, 2, "cuda", F32) == "nccl"
+    assert s.choose("all_reduce", 64, 2, "cuda", F32) == "gloo"
+    assert s.choose("broadcast", 8192, 2, "cuda", F32) == "gloo"  # no cuda rule: the default
+    assert s.explain("all_reduce", 8192, 2, "cuda")[1].startswith("tuning table <table>: all_reduce on cuda")
+    # all-to-all agrees on its size only where that device's rules use more than one backend
+    assert not s.needs_agreement("all_to_all_single", 2, None, "cpu")
+    assert s.needs_agreement("all_to_all_single", 2, None, "cuda")
+    v1 = {"format": "mcrdl-tuning/1", "rules": doc["rules"]["cuda"]}
+    s = sel(default="mpi", table=tbl(doc=v1))
+    assert s.choose("all_reduce", 8192, 2, "cpu", F32) == "mpi"  # its rule names nccl: no cpu tensors there
+    assert s.explain("all_reduce", 64, 2, "cpu") == ("gloo", "tuning table <table>: all_reduce on cpu, group "
+                                                             "size 2, 64 B")
+    assert s.explain("all_reduce", 64, 2, "cuda") == ("gloo", "first live backend able to run it (skipped mpi: "
+                                                              "backend 'mpi' does not take cuda tensors)")

@@ -181,7 +181,10 @@ def results_all():
 
 def test_make_table_document():
     doc = tune.make_table(results_all(), BACKENDS, 2, META, margin=0.05)
-    assert doc["format"] == FORMAT == "mcrdl-tuning/1"
+    assert doc["format"] == FORMAT == "mcrdl-tuning/2"
+    assert list(doc["rules"]) == ["cpu"]  # the device measured
+    assert list(tune.make_table(results_all(), BACKENDS, 2, META, device="cuda")["rules"]) == ["cuda"]
+    doc = {**doc, "rules": doc["rules"]["cpu"]}
     for k, v in META.items():
         assert doc["metadata"][k] == v
     assert doc["metadata"]["decision"]["hysteresis"] == 0.05
@@ -213,7 +216,7 @@ def test_plots_shade_the_table_ranges(tmp_path):
 
 def test_make_table_group_size_key_is_the_world():
     doc = tune.make_table(results_all(), BACKENDS, 8, META)
-    assert all(list(by) == ["8"] for by in doc["rules"].values())
+    assert all(list(by) == ["8"] for by in doc["rules"]["cpu"].values())
 
 
 def test_make_table_loads_and_lookups_match_decisions():
@@ -238,7 +241,7 @@ def test_make_table_loads_and_lookups_match_decisions():
 def test_make_table_with_hysteresis_loads():
     results = sweep("all_reduce", {4: {"mpi": 20, "gloo": 10}, 64: {"mpi": 100, "gloo": 103}})
     doc = tune.make_table(results, BACKENDS, 2, META)
-    assert doc["rules"]["all_reduce"]["2"] == [
+    assert doc["rules"]["cpu"]["all_reduce"]["2"] == [
         {"max_bytes": None, "backend": "gloo", "margin": round(100 / 103 - 1, 4)}]
     mcrdl.TuningTable.from_dict(doc, known=KNOWN)
 
@@ -298,8 +301,8 @@ def test_crossovers_lines():
     by_op = {line.split(" ")[0]: line for line in lines}
     assert set(by_op) == set(TIMES)
     for op, line in by_op.items():
-        assert line.startswith(f"{op} [2 ranks]: ")
-        rules = doc["rules"][op]["2"]
+        assert line.startswith(f"{op} [2 ranks, cpu]: ")
+        rules = doc["rules"]["cpu"][op]["2"]
         pos = 0
         for r in rules:  # backends in range order, each with its upper bound and margin
             at = line.index(r["backend"], pos)
@@ -406,7 +409,7 @@ def test_both_all_to_all_forms_decide_one_rule_on_their_summed_times():
     assert set(d) == {"all_to_all"}
     assert d["all_to_all"] == [(4, "gloo", pytest.approx(40 / 24 - 1)), (1024, "mpi", pytest.approx(60 / 21 - 1))]
     table = tune.make_table(results, BACKENDS, 2, META)
-    assert set(table["rules"]) == {"all_to_all"}
+    assert set(table["rules"]["cpu"]) == {"all_to_all"}
     gains = tune.gains(results, table, BACKENDS)
     assert set(gains) == {"all_to_all", "all_to_allv"}
     # a backend measured in only one form at a size does not compete there

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from mcrdl.tuning import FORMAT, OP_CLASS, SELECT_OPS, TuningTable, TuningTableError
+from mcrdl.tuning import FORMAT, FORMAT_V1, OP_CLASS, SELECT_OPS, TuningTable, TuningTableError
 
 KNOWN = ["mpi", "nccl", "gloo"]
 
@@ -14,7 +14,7 @@ KNOWN = ["mpi", "nccl", "gloo"]
 # all_reduce at group size 8: [0, 4096] mpi, beyond: gloo (last rule, explicit null)
 # broadcast at group size 4 only: [0, 100] gloo, beyond: mpi (last rule has a number)
 TABLE = {
-    "format": FORMAT,
+    "format": FORMAT_V1,
     "metadata": {"hosts": ["node1", "node2"], "world_size": 8, "date": "2024-01-01"},
     "rules": {
         "all_reduce": {
@@ -48,7 +48,7 @@ def write(tmp_path, text, name="table.json"):
 
 
 def doc_with(op="all_reduce", gsize="2", rules=None, **top):
-    d = {"format": FORMAT, "rules": {op: {gsize: rules}}}
+    d = {"format": FORMAT_V1, "rules": {op: {gsize: rules}}}
     d.update(top)
     return d
 
@@ -150,7 +150,7 @@ def test_distinct_backends_counts_repeated_backend_once():
 
 
 def test_empty_rules_object_is_valid():
-    t = TuningTable.from_dict({"format": FORMAT, "rules": {}}, KNOWN)
+    t = TuningTable.from_dict({"format": FORMAT_V1, "rules": {}}, KNOWN)
     assert t.lookup("all_reduce", 2, 1) is None
     assert t.metadata == {}
 
@@ -207,7 +207,7 @@ def test_top_level_not_object():
     expect_error([1, 2], "(top level)")
 
 
-@pytest.mark.parametrize("fmt", ["mcrdl-tuning/2", "", 1, None])
+@pytest.mark.parametrize("fmt", ["mcrdl-tuning/3", "", 1, None])
 def test_wrong_format(fmt):
     d = copy.deepcopy(TABLE)
     d["format"] = fmt
@@ -235,7 +235,7 @@ def test_metadata_not_object():
 
 @pytest.mark.parametrize("rules", [None, [], "x"])
 def test_rules_missing_or_not_object(rules):
-    d = {"format": FORMAT}
+    d = {"format": FORMAT_V1}
     if rules is not None:
         d["rules"] = rules
     expect_error(d, "rules")
@@ -250,7 +250,7 @@ def test_unknown_op(op):
 
 @pytest.mark.parametrize("by_size", [{}, [], "2"])
 def test_op_entry_empty_or_not_object(by_size):
-    expect_error({"format": FORMAT, "rules": {"all_reduce": by_size}}, "rules.all_reduce")
+    expect_error({"format": FORMAT_V1, "rules": {"all_reduce": by_size}}, "rules.all_reduce")
 
 
 @pytest.mark.parametrize("gsize", ["two", "0", "-2", "2.0", "", " 2"])
@@ -377,6 +377,11 @@ def test_all_live_no_warning():
 
 
 # -- round trip --------------------------------------------------------------------------------
+def as_v2(doc, device="cpu"):
+    """A version 1 document in the current format, its rules for ``device``."""
+    return {**doc, "format": FORMAT, "rules": {device: doc["rules"]}}
+
+
 def probe_points(t):
     out = {}
     for op in SELECT_OPS:
@@ -396,7 +401,7 @@ def test_round_trip_save_load(tmp_path):
     assert u.to_dict() == t.to_dict()
     assert u.metadata == t.metadata
     assert probe_points(u) == probe_points(t)
-    assert json.loads(open(path, encoding="utf-8").read()) == TABLE
+    assert json.loads(open(path, encoding="utf-8").read()) == as_v2(TABLE)  # written in the current format
 
 
 def test_round_trip_keeps_not_live_backends(tmp_path):
@@ -404,7 +409,7 @@ def test_round_trip_keeps_not_live_backends(tmp_path):
         t = TuningTable.from_dict(copy.deepcopy(TABLE), KNOWN, live=["mpi", "gloo"])
     path = str(tmp_path / "out.json")
     t.save(path)
-    assert json.loads(open(path, encoding="utf-8").read()) == TABLE   # names kept, not nulled
+    assert json.loads(open(path, encoding="utf-8").read()) == as_v2(TABLE)   # names kept, not nulled
     u = TuningTable.load(path, KNOWN)
     assert u.lookup("all_reduce", 2, 65537) == "nccl"
 
@@ -413,10 +418,10 @@ def test_round_trip_table_built_directly(tmp_path):
     rules = {"all_reduce": {2: [{"max_bytes": 10, "backend": "mpi"},
                                 {"max_bytes": None, "backend": "gloo"}]},
              "p2p": {4: [{"max_bytes": None, "backend": "mpi"}]}}
-    t = TuningTable(rules, {"who": "test"})
+    t = TuningTable({"cpu": rules}, {"who": "test"})
     d = t.to_dict()
     assert d == {"format": FORMAT, "metadata": {"who": "test"},
-                 "rules": {"all_reduce": {"2": rules["all_reduce"][2]}, "p2p": {"4": rules["p2p"][4]}}}
+                 "rules": {"cpu": {"all_reduce": {"2": rules["all_reduce"][2]}, "p2p": {"4": rules["p2p"][4]}}}}
     path = str(tmp_path / "direct.json")
     t.save(path)
     u = TuningTable.load(path, KNOWN)
@@ -438,7 +443,7 @@ def test_superscript_group_size_key_is_a_tuning_table_error():
 
 
 def test_duplicate_group_size_after_normalisation_rejected():
-    d = {"format": FORMAT, "rules": {"all_reduce": {
+    d = {"format": FORMAT_V1, "rules": {"all_reduce": {
         "2": [{"max_bytes": None, "backend": "mpi"}],
         "02": [{"max_bytes": None, "backend": "gloo"}]}}}
     expect_error(d, "rules.all_reduce.02")
@@ -459,12 +464,66 @@ def test_docs_example_loads_and_matches_text():
     text = doc.read_text(encoding="utf-8")
     block = re.search(r"```json\n(.*?)```", text, re.S).group(1)
     t = TuningTable.from_dict(json.loads(block), KNOWN, source="example")
-    assert [t.lookup("all_reduce", 8, n) for n in (16384, 16385, 4194304, 4194305)] == \
+    assert t.devices() == ["cpu", "cuda"]
+    assert [t.lookup("all_reduce", 8, n, "cuda") for n in (16384, 16385, 4194304, 4194305)] == \
         ["mpi", "gloo", "gloo", "nccl"]
-    assert t.lookup("all_reduce", 4, 65536) == "mpi" and t.lookup("all_reduce", 4, 65537) == "nccl"
-    assert t.lookup("all_reduce", 32, 20000) == "gloo"
-    assert t.lookup("all_gather", 2, 10) == "mpi"
+    assert [t.lookup("all_reduce", 8, n) for n in (20000, 65536, 65537)] == ["mpi", "mpi", "gloo"]
+    assert t.lookup("all_reduce", 4, 65536, "cuda") == "mpi" and t.lookup("all_reduce", 4, 65537, "cuda") == "nccl"
+    assert t.lookup("all_reduce", 32, 20000, "cuda") == "gloo"
+    assert t.lookup("all_gather", 2, 10, "cuda") == "mpi" and t.lookup("all_gather", 2, 10) is None
     with pytest.warns(UserWarning):
         u = TuningTable.from_dict(json.loads(block), KNOWN, ["mpi", "gloo"])
-    assert u.lookup("all_reduce", 8, 20000) == "gloo"
-    assert u.distinct_backends("all_to_all", 16) == 2
+    assert u.lookup("all_reduce", 8, 20000, "cuda") == "gloo"
+    assert u.distinct_backends("all_to_all", 16, "cuda") == 2
+
+
+# -- version 2: rules per device type ------------------------------------------------------------
+def test_v2_rules_per_device():
+    cuda = {"all_reduce": {"2": [{"max_bytes": 4096, "backend": "mpi"}, {"max_bytes": None, "backend": "nccl"}]}}
+    doc = {"format": FORMAT, "rules": {"cpu": copy.deepcopy(TABLE["rules"]), "cuda": cuda}}
+    t = TuningTable.from_dict(copy.deepcopy(doc), KNOWN)
+    assert t.devices() == ["cpu", "cuda"]
+    v1 = TuningTable.from_dict(copy.deepcopy(TABLE), KNOWN)
+    assert probe_points(t) == probe_points(v1)  # the cpu rules answer exactly as the v1 file did
+    assert [t.lookup("all_reduce", 2, n, "cuda") for n in (4, 4096, 4097)] == ["mpi", "mpi", "nccl"]
+    assert [t.lookup("all_reduce", 2, n) for n in (4, 4096, 4097)] == ["mpi", "gloo", "gloo"]
+    assert t.lookup("broadcast", 4, 8, "cuda") is None  # no cuda rules for broadcast
+    assert t.distinct_backends("all_reduce", 2, "cuda") == 2
+    assert t.rules_for("all_reduce", 8, "cuda") == cuda["all_reduce"]["2"]
+    assert t.to_dict() == doc
+
+
+def test_v1_loads_as_cpu_rules_only():
+    t = TuningTable.from_dict(copy.deepcopy(TABLE), KNOWN)
+    assert t.devices() == ["cpu"]
+    assert t.lookup("all_reduce", 2, 4) == "mpi"
+    assert t.lookup("all_reduce", 2, 4, "cuda") is None
+    assert t.to_dict() == as_v2(TABLE)
+
+
+def test_v2_table_without_rules_answers_nothing():
+    t = TuningTable.from_dict({"format": FORMAT, "rules": {}}, KNOWN)
+    assert t.devices() == [] and t.lookup("all_reduce", 2, 4) is None
+
+
+@pytest.mark.parametrize("rules,key,words", [
+    ({"gpu": {}}, "rules.gpu", "unknown device type (expected one of cpu, cuda)"),
+    ({"all_reduce": {"2": []}}, "rules.all_reduce", "e.g. rules.cpu.all_reduce"),
+    ({"cuda": []}, "rules.cuda", "expected an object mapping op names"),
+    ({"cuda": {"all_reduce": {"2": [{"max_bytes": 1, "backend": "mpi"}, {"max_bytes": 1, "backend": "gloo"}]}}},
+     "rules.cuda.all_reduce.2[1].max_bytes", "not above the previous rule's 1"),
+    ({"cuda": {"all_reduce": {"2": [{"max_bytes": None, "backend": "bogus"}]}}},
+     "rules.cuda.all_reduce.2[0].backend", "unknown backend 'bogus'"),
+])
+def test_v2_errors_name_the_device_level(rules, key, words):
+    with pytest.raises(TuningTableError) as err:
+        TuningTable.from_dict({"format": FORMAT, "rules": rules}, KNOWN, source="t.json")
+    assert f"t.json: {key}: " in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_named_backends_both_formats():
+    from mcrdl.tuning import named_backends
+
+    assert named_backends(TABLE) == {"mpi", "gloo", "nccl"}
+    assert named_backends(as_v2(TABLE, "cuda")) == {"mpi", "gloo", "nccl"}
+    assert named_backends({"format": FORMAT, "rules": {"cpu": [1], "cuda": {"x": 3}}}) == set()

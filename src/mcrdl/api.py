@@ -196,12 +196,13 @@ def get_global_rank(group: Group, group_rank: int) -> int:
 
 
 def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional[Group] = None,
-            backend: Optional[str] = None, group_size: Optional[int] = None) -> str:
+            backend: Optional[str] = None, group_size: Optional[int] = None, device: str = "cpu") -> str:
     """Which backend would run ``op`` for this tensor (or message size in bytes), and why.
 
-    For tensors the size is the op's lookup size (see docs/tuning-table.md);
+    For tensors the size is the op's lookup size (see docs/tuning-table.md) and
+    the device theirs; for a size, ``device`` is the tensors' device type.
     ``group_size`` asks about a group size other than ``group``'s."""
-    from .tuning import OP_CLASS
+    from .tuning import DEVICES, OP_CLASS
 
     if op not in OP_CLASS:
         raise ValueError(f"unknown op {op!r} (expected one of {', '.join(OP_CLASS)})")
@@ -212,7 +213,9 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
         # (all_gather/gather/scatter tensors are the per-rank part)
         device, dtype = t.device.type, t.dtype
     else:
-        nbytes, device, dtype = int(tensor_or_nbytes), "cpu", torch.float32
+        if device not in DEVICES:
+            raise ValueError(f"explain: unknown device type {device!r} (expected one of {', '.join(DEVICES)})")
+        nbytes, dtype = int(tensor_or_nbytes), torch.float32
     size = group_size or g.size
     name, why = rt.selector.explain(op, nbytes, size, device, dtype, explicit=backend)
     tuner = rt.autotune
@@ -223,7 +226,7 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
             name, why = won, learned
         else:
             why = f"{why}; {learned}"
-    return f"{op} of {nbytes} B, group size {size}: {name} ({why})"
+    return f"{op} of {nbytes} B on {device}, group size {size}: {name} ({why})"
 
 
 def autotune_report() -> Optional[dict]:
@@ -363,7 +366,7 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
     device = "cpu" if ref.is_cpu else ref.device.type
     name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
     tuner = rt.autotune if rt.autotune is not None and rt.autotune.explores(op, explicit) else None
-    if agree and (tuner is not None or sel.needs_agreement(op, g.size, explicit)):
+    if agree and (tuner is not None or sel.needs_agreement(op, g.size, explicit, device)):
         if rt.debug:
             _fingerprint(rt, g, op, None, dtype=str(ref.dtype), device=device, shape=invariant,
                          explicit=explicit)

@@ -269,7 +269,7 @@ class Autotuner:
         sel = self.selector
         seed = None
         if sel.table is not None:
-            seed = sel.table.lookup(cls, size, bucket_bounds(bkt)[0])
+            seed = sel.table.lookup(cls, size, bucket_bounds(bkt)[0], device)
         if seed is None:
             seed = sel.default
         live = sorted(n for n, be in sel.live.items() if device in be.devices)  # one order on every rank
@@ -354,16 +354,16 @@ class Autotuner:
         the seed table with the learned buckets written over it; where there is
         no seed, a size between learned buckets takes the next bucket above.
         Groups of one size share rules: the first group learned wins a bucket."""
-        learned: dict[tuple[str, int], dict[tuple[int, int], str]] = {}
+        learned: dict[tuple[str, str, int], dict[tuple[int, int], str]] = {}
         for row in self.report():
-            if row["device"] == "cpu" and row["winner"] is not None:
-                learned.setdefault((row["op"], row["group_size"]), {}).setdefault(
+            if row["winner"] is not None:
+                learned.setdefault((row["device"], row["op"], row["group_size"]), {}).setdefault(
                     (row["min_bytes"], row["max_bytes"]), row["winner"])
         seed = self.selector.table
         rules = copy.deepcopy(seed.to_dict()["rules"]) if seed is not None else {}
-        for (op, size), ranges in learned.items():
-            base = seed.rules_for(op, size) if seed is not None else None
-            rules.setdefault(op, {})[str(size)] = _overlay(base, ranges)
+        for (device, op, size), ranges in learned.items():
+            base = seed.rules_for(op, size, device) if seed is not None else None
+            rules.setdefault(device, {}).setdefault(op, {})[str(size)] = _overlay(base, ranges)
         return {"format": FORMAT,
                 "metadata": {"learned": "in-situ autotune (MCRDL_AUTOTUNE=1)", "world_size": world_size,
                              "seed_table": None if seed is None else seed.source,

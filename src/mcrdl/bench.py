@@ -3,7 +3,11 @@
 A *variant* is one way to run an op: a live backend forced through mcrdl
 (``mpi``, ``gloo``, ...), mcrdl's own selection (``mcrdl``), or the raw
 library call without mcrdl (``raw-mpi``: mpi4py on numpy buffers made once;
-``raw-gloo``: ``torch.distributed`` on its own gloo group). Message size ``S``
+``raw-gloo``: ``torch.distributed`` on its own gloo group). Tensors are on
+one device type (``device``, metadata ``device``): ``cpu``, or ``cuda`` (the
+rank's GPU, local rank modulo the GPUs seen; each call is timed to the end
+of its work on the GPU: the stream is synchronised inside the timed region,
+and raw variants are CPU only). Message size ``S``
 is the op's lookup size (docs/tuning-table.md): the full buffer for
 gather-type ops, the bytes each rank sends for all-to-all, the message for p2p.
 ``all_to_allv`` is ``all_to_all_single`` with split sizes (even ones; the form
@@ -46,7 +50,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import api
-from .tuning import OP_CLASS, SELECT_OPS, is_int, is_number, key_path, read_json, shown
+from .tuning import DEVICES, OP_CLASS, SELECT_OPS, is_int, is_number, key_path, read_json, shown
 
 FORMAT = "mcrdl-bench/1"
 #: Ops the bench knows: the selection classes but barrier, and all_to_all with split sizes.
@@ -102,8 +106,8 @@ class _Case:
     result made from exact values."""
 
     def __init__(self, op: str, nbytes: int, variant: str, world: int, rank: int,
-                 buffers: Optional["_Case"] = None):
-        self.op, self.variant, self.world, self.rank = op, variant, world, rank
+                 buffers: Optional["_Case"] = None, device: torch.device = torch.device("cpu")):
+        self.op, self.variant, self.world, self.rank, self.device = op, variant, world, rank, device
         n = world
         elems = max(nbytes // 4, 0)
         if op in _BLOCKED:
@@ -115,7 +119,7 @@ class _Case:
 
     # exact inputs: small integers depending on rank and position
     def _value(self, rank: int, count: int) -> torch.Tensor:
-        return ((torch.arange(count) + rank) % 7 + 1).float()
+        return ((torch.arange(count, device=self.device) + rank) % 7 + 1).float()
 
     def _setup(self, buffers: Optional["_Case"]) -> None:
         """The buffers of ``buffers`` (another variant's case) if given, else new ones."""
@@ -129,23 +133,27 @@ class _Case:
             self.call = self._raw_call()
         else:
             self.call = self._mcrdl_call(None if self.variant == "mcrdl" else self.variant)
+        if self.device.type == "cuda":  # a call ends when its work on the GPU has
+            call, sync = self.call, torch.cuda.current_stream(self.device).synchronize
+            self.call = lambda: (call(), sync())
 
     def _buffers(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(input, output) with exact values; the same tensor for in-place ops."""
         op, rank = self.op, self.rank
+        empty = lambda n: torch.empty(n, device=self.device)
         full = self._value(rank, self.elems)
         part = self._value(rank, self.part)
         if op in ("all_reduce", "broadcast", "reduce", "p2p"):
             return full, full
         if op == "all_gather":
-            return part, torch.empty(self.elems)
+            return part, empty(self.elems)
         if op == "reduce_scatter":
-            return full, torch.empty(self.part)
+            return full, empty(self.part)
         if op == "gather":
-            return part, torch.empty(self.elems) if rank == 0 else None
+            return part, empty(self.elems) if rank == 0 else None
         if op == "scatter":
-            return (full if rank == 0 else None), torch.empty(self.part)
-        return full, torch.empty(self.elems)  # all_to_all
+            return (full if rank == 0 else None), empty(self.part)
+        return full, empty(self.elems)  # all_to_all
 
     def reset(self) -> None:
         """Restore the exact inputs (in-place ops overwrite them while timing)."""
@@ -284,14 +292,16 @@ class Bench:
 
     def __init__(self, variants: Sequence[str], iters: int = 200, large_iters: int = 20,
                  warmup: int = 5, rounds: int = 5, check: bool = False,
-                 progress: Optional[Callable[[str], None]] = None, cold: bool = False):
+                 progress: Optional[Callable[[str], None]] = None, cold: bool = False,
+                 device: str = "cpu"):
         self.rank, self.world = api.get_rank(), api.get_world_size()
+        self.device = rank_device(device)
         self.mode = "cold" if cold else "back-to-back"
         self.prepare = lambda: None
         if cold:  # COLD_STEP, on one thread as the workloads run (no idle OpenMP threads spinning)
             self._threads = torch.get_num_threads()
             torch.set_num_threads(1)
-            a, b = torch.randn(256, 512), torch.randn(512, 512)
+            a, b = torch.randn(256, 512, device=self.device), torch.randn(512, 512, device=self.device)
             self.prepare = lambda: a @ b
         self.variants = list(variants)
         self.iters, self.large_iters, self.warmup, self.rounds = iters, large_iters, warmup, rounds
@@ -337,9 +347,9 @@ class Bench:
         """All variants at one (op, size), interleaved over rounds."""
         # every variant on the same buffers: where a buffer lands in memory stays fixed
         # for the whole measurement and would favour one variant over another
-        first = _Case(op, nbytes, self.variants[0], self.world, self.rank)
+        first = _Case(op, nbytes, self.variants[0], self.world, self.rank, device=self.device)
         cases = {v: first if v == first.variant else
-                 _Case(op, nbytes, v, self.world, self.rank, buffers=first) for v in self.variants}
+                 _Case(op, nbytes, v, self.world, self.rank, first, self.device) for v in self.variants}
         size = next(iter(cases.values())).nbytes
         checks = {}
         if self.do_check:
@@ -380,7 +390,7 @@ class Bench:
             mn = statistics.median(r[1] for r in rounds)
             mx = statistics.median(r[2] for r in rounds)
             backend = "raw" if v.startswith("raw-") else (
-                v if v != "mcrdl" else _selected(op, size))
+                v if v != "mcrdl" else _selected(op, size, self.device.type))
             algbw = size / (mx * 1e-6) / 1e9 if mx > 0 else 0.0
             out.append(Result(op, size, v, backend, iters, self.rounds, avg, mn, mx,
                               [r[2] for r in rounds], algbw, algbw * busbw_factor(op, self.world),
@@ -397,10 +407,30 @@ class Bench:
         return results
 
 
-def _selected(op: str, nbytes: int) -> str:
+def _selected(op: str, nbytes: int, device: str) -> str:
     """The backend mcrdl's selection picks for this benchmark's call."""
     rt = api._rt()
-    return rt.selector.choose(OP_CLASS[op], nbytes, rt.world.size, "cpu", torch.float32, None, None)
+    return rt.selector.choose(OP_CLASS[op], nbytes, rt.world.size, device, torch.float32, None, None)
+
+
+def default_device() -> str:
+    """The device type a job's tensors are on when nobody says: ``cuda`` where
+    torch sees a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rank_device(device: str) -> torch.device:
+    """This rank's device of type ``device`` (``cuda``: local rank modulo the
+    GPUs seen, made current); a ValueError naming what is missing."""
+    if device == "cpu":
+        return torch.device("cpu")
+    if device != "cuda":
+        raise ValueError(f"unknown device type {device!r} (expected cpu or cuda)")
+    if not torch.cuda.is_available():
+        raise ValueError("device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False)")
+    dev = torch.device("cuda", api.get_local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def human(nbytes: int) -> str:
@@ -410,7 +440,7 @@ def human(nbytes: int) -> str:
     return f"{nbytes}"
 
 
-def metadata(settings: dict, mode: str = "back-to-back") -> dict:
+def metadata(settings: dict, mode: str = "back-to-back", device: str = "cpu") -> dict:
     """Where and how a measurement was made (hosts, versions, date, mode, settings)."""
     import mpi4py
 
@@ -421,7 +451,7 @@ def metadata(settings: dict, mode: str = "back-to-back") -> dict:
             "versions": {"mcrdl": __import__("mcrdl").__version__, "torch": torch.__version__,
                          "mpi4py": mpi4py.__version__, **api.get_backend_versions()},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "cpus": os.cpu_count(), "mode": mode,
+            "cpus": os.cpu_count(), "mode": mode, "device": device,
             **({"cold_step": COLD_STEP} if mode == "cold" else {}), "sweep": settings}
 
 
@@ -494,6 +524,8 @@ def from_doc(doc: Any, source: str = "<bench>") -> tuple[list[Result], dict]:
         fail("metadata.world_size", f"expected an integer >= 1, got {shown(meta['world_size'])}")
     if meta.get("mode", MODES[0]) not in MODES:
         fail("metadata.mode", f"expected one of {', '.join(MODES)}, got {shown(meta['mode'])}")
+    if meta.get("device", "cpu") not in DEVICES:
+        fail("metadata.device", f"expected one of {', '.join(DEVICES)}, got {shown(meta['device'])}")
     hosts = meta.get("hosts", [])
     if not (isinstance(hosts, list) and all(isinstance(h, str) for h in hosts)):
         fail("metadata.hosts", f"expected a list of host names, got {shown(hosts)}")

@@ -6,10 +6,12 @@ import functools
 import math
 import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from .launcher import BINDINGS, STOP_GRACE_S
-from .tuning import MAX_INT, shown
+from .tuning import DEVICES, MAX_INT, shown
+from .types import UnsupportedError
 
 
 def _cmd_run(args) -> int:
@@ -61,15 +63,42 @@ def _cmd_info(args) -> int:
 def _cmd_explain(args) -> int:
     import mcrdl
 
+    from .bench import default_device
+
     mcrdl.init_process_group(op_backends=_parse_map(args.op_backends), tuning_table=args.table,
                              default_backend=args.default)
     try:
         if mcrdl.get_rank() == 0:
-            print(mcrdl.explain(args.op, args.nbytes, backend=args.backend,
-                                group_size=args.group_size))
+            print(mcrdl.explain(args.op, args.nbytes, backend=args.backend, group_size=args.group_size,
+                                device=args.device or default_device()))
     finally:
         mcrdl.destroy_process_group()
     return 0
+
+
+def _live_for(mcrdl, device: str) -> list:
+    """The live backends taking ``device`` tensors; a ValueError when none does."""
+    import torch
+
+    live = mcrdl.live_backends(device)
+    if not live:
+        why = " (torch sees no CUDA device)" if device == "cuda" and not torch.cuda.is_available() else ""
+        raise ValueError(f"no live backend takes {device} tensors in this job{why}")
+    return live
+
+
+def _merged_rules(path: str, device: str) -> dict:
+    """A table's rules for device types other than ``device`` and where they
+    came from (``mcrdl tune --merge``); read before the sweep so a bad file
+    fails early."""
+    from .backends import REGISTRY
+    from .tuning import TuningTable
+
+    with warnings.catch_warnings():  # its backends need not be live in this job
+        warnings.simplefilter("ignore")
+        old = TuningTable.load(path, REGISTRY, live=())
+    rules = {d: r for d, r in old.to_dict()["rules"].items() if d != device}
+    return {"rules": rules, "metadata": {"table": path, "devices": sorted(rules), "metadata": old.metadata}}
 
 
 def _in_job() -> bool:
@@ -151,13 +180,14 @@ def _cmd_bench(args, argv) -> int:
     mcrdl = _init_for_tools(args)
     try:
         rank = mcrdl.get_rank()
-        live = mcrdl.live_backends("cpu")  # the sweeps' tensors are on the CPU
-        variants = (args.variants.split(",") if args.variants else
-                    live + ["mcrdl"] + [f"raw-{b}" for b in ("mpi", "gloo") if b in live])
-        unknown = [v for v in variants if v not in live + ["mcrdl", "raw-mpi", "raw-gloo"]
-                   or (v.startswith("raw-") and v[4:] not in live)]
+        device = args.device or bench.default_device()
+        live = _live_for(mcrdl, device)
+        raw = [f"raw-{b}" for b in ("mpi", "gloo") if b in live] if device == "cpu" else []
+        variants = args.variants.split(",") if args.variants else live + ["mcrdl"] + raw
+        unknown = [v for v in variants if v not in live + ["mcrdl"] + raw]
         if unknown:
-            raise ValueError(f"unknown or not live variants {unknown} (live backends for CPU tensors: {live})")
+            raise ValueError(f"unknown or not live variants {unknown} for {device} tensors (live backends: "
+                             f"{', '.join(live)}; raw-mpi and raw-gloo time CPU tensors only)")
         ops = _ops(args)
         sizes = _sweep_settings(args, [4, 1024, 65536, 1 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
@@ -165,14 +195,14 @@ def _cmd_bench(args, argv) -> int:
         rounds = args.rounds or (2 if args.quick else 5)
         progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
         with progress:
-            b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step, args.cold)
+            b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step, args.cold, device)
             try:
                 results = b.sweep(ops, sizes)
             finally:
                 b.close()
             progress.update(task, advance=1, description="done")
         meta = bench.metadata({"ops": ops, "sizes": sizes, "variants": variants, "iters": iters,
-                               "large_iters": large, "rounds": rounds, "warmup": args.warmup}, b.mode)
+                               "large_iters": large, "rounds": rounds, "warmup": args.warmup}, b.mode, device)
         if rank == 0:
             bench.print_tables(results)
             summary = bench.selection_summary(results)
@@ -205,11 +235,13 @@ def _cmd_tune(args, argv) -> int:
     mcrdl = _init_for_tools(args)
     try:
         rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-        live = mcrdl.live_backends("cpu")  # the sweeps' tensors are on the CPU
+        device = args.device or bench.default_device()
+        live = _live_for(mcrdl, device)
         backends = args.backends.split(",") if args.backends else live
         bad = [b for b in backends if b not in live]
         if bad:
-            raise ValueError(f"--backends {bad} are not live backends for CPU tensors (live: {', '.join(live)})")
+            raise ValueError(f"--backends {bad} are not live backends for {device} tensors (live: {', '.join(live)})")
+        merged = _merged_rules(args.merge, device) if args.merge else {}
         ops = _ops(args)
         sizes = _sweep_settings(args, [4, 256, 4096, 65536, 1 << 20, 4 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
@@ -217,7 +249,7 @@ def _cmd_tune(args, argv) -> int:
         rounds = args.rounds or (3 if args.quick else 5)
         progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
         with progress:
-            b = bench.Bench(backends, iters, large, args.warmup, rounds, False, step, args.cold)
+            b = bench.Bench(backends, iters, large, args.warmup, rounds, False, step, args.cold, device)
             try:
                 results = b.sweep(ops, sizes)
                 again = tune.contested(results, backends, args.margin)
@@ -231,8 +263,11 @@ def _cmd_tune(args, argv) -> int:
             progress.update(task, advance=1, description="done")
         meta = bench.metadata({"ops": ops, "sizes": sizes, "backends": backends, "iters": iters,
                                "large_iters": large, "rounds": rounds, "warmup": args.warmup,
-                               "quick": args.quick}, b.mode)
-        table = tune.make_table(results, backends, world, meta, args.margin, again)
+                               "quick": args.quick}, b.mode, device)
+        table = tune.make_table(results, backends, world, meta, args.margin, again, device)
+        if merged:
+            table["rules"].update(merged["rules"])
+            table["metadata"]["merged"] = merged["metadata"]
         if rank == 0:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(table, f, indent=2)
@@ -248,13 +283,14 @@ def _cmd_tune(args, argv) -> int:
             for line in tune.crossovers(table):
                 print("  " + line)
             print("expected speed-up of the table over each single backend (geomean / max over sizes):")
-            for op, per in tune.gains(results, table, backends).items():
+            for op, per in tune.gains(results, table, backends, device).items():
                 print(f"  {op:15s} " + "  ".join(f"vs {b}: {g:.2f}x / {m:.2f}x" for b, (g, m) in per.items()))
             if args.results:
                 bench.write_json(args.results, results, meta)
             if args.plot:
                 from .plots import plot_ops
-                print("plots:", ", ".join(plot_ops(results, args.plot, table, f"({world} ranks, tuned)")))
+                print("plots:", ", ".join(plot_ops(results, args.plot, table,
+                                                   f"({world} ranks, {device}, tuned)", device)))
         return 0
     finally:
         mcrdl.destroy_process_group()
@@ -351,6 +387,8 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--op-backends", help="static map, e.g. all_to_all:mpi,all_reduce:gloo")
     e.add_argument("--default", help="default backend")
     e.add_argument("--backend", help="forced backend")
+    e.add_argument("--device", choices=DEVICES, help="device type of the op's tensors "
+                                                     "(default: cuda where torch sees a GPU, else cpu)")
     e.set_defaults(func=_cmd_explain)
 
     for name, fn, helptext in (("bench", _cmd_bench, "OSU-style micro-benchmarks of every op and backend"),
@@ -370,6 +408,8 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--quick", action="store_true", help="few sizes and iterations (demo, tests)")
         c.add_argument("--plot", metavar="DIR", help="write one PNG per op into DIR")
         c.add_argument("--timeout", type=float, default=300, help="per-op timeout (s)")
+        c.add_argument("--device", choices=DEVICES, help="device type of the tensors measured "
+                                                         "(default: cuda where torch sees a GPU, else cpu)")
         c.add_argument("--cold", action="store_true",
                        help="run a fixed compute step (1 matmul) before each timed call, as in a training "
                             "step (default: back to back, OSU)")
@@ -384,6 +424,8 @@ def parser() -> argparse.ArgumentParser:
             c.add_argument("--margin", type=float, default=0.05,
                            help="a new backend must be this much faster to take over (default 0.05)")
             c.add_argument("--out", default="mcrdl-tuning.json", help="tuning table to write")
+            c.add_argument("--merge", metavar="TABLE",
+                           help="keep TABLE's rules for the other device types in the table written")
             c.add_argument("--results", help="also write the raw measurements as JSON")
         c.set_defaults(func=fn, wants_argv=True)
 
@@ -419,7 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, "wants_argv", False):
             return args.func(args, argv)
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, UnsupportedError) as exc:
         print(f"mcrdl {args.command}: {exc}", file=sys.stderr)
         return 2
 

@@ -9,8 +9,9 @@ from .tuning import OP_CLASS
 
 
 def plot_ops(results: Sequence[Result], outdir: str, table: Optional[dict] = None,
-             title: str = "") -> list[str]:
-    """One log-log latency-vs-size PNG per op; with ``table``, its ranges shaded."""
+             title: str = "", device: str = "cpu") -> list[str]:
+    """One log-log latency-vs-size PNG per op; with ``table`` (a tuning-table
+    document), the ranges of its ``device`` rules shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -20,6 +21,7 @@ def plot_ops(results: Sequence[Result], outdir: str, table: Optional[dict] = Non
     by_op: dict[str, dict[str, list[Result]]] = {}
     for r in results:
         by_op.setdefault(r.op, {}).setdefault(r.variant, []).append(r)
+    table_rules = {} if table is None else table["rules"].get(device, {})
     colors = {}
     paths = []
     for op, by_variant in by_op.items():
@@ -31,8 +33,8 @@ def plot_ops(results: Sequence[Result], outdir: str, table: Optional[dict] = Non
             line, = ax.plot([r.bytes for r in rs], [r.max_us for r in rs], style, marker="o",
                             markersize=3, linewidth=width, label=variant)
             colors[variant] = line.get_color()
-        if table is not None and OP_CLASS[op] in table["rules"]:
-            rules = next(iter(table["rules"][OP_CLASS[op]].values()))
+        if OP_CLASS[op] in table_rules:
+            rules = next(iter(table_rules[OP_CLASS[op]].values()))
             sizes = sorted({r.bytes for rs in by_variant.values() for r in rs})
             low = sizes[0] / 1.5
             for rule in rules:

@@ -1,7 +1,7 @@
 """Which backend runs an operation.
 
 Precedence: ``backend=`` on the call, the static per-op map, the tuning
-table, the default backend. A choice that cannot run the op (device, dtype)
+table (its rules for the device type of the op's tensors), the default backend. A choice that cannot run the op (device, dtype)
 falls through to the next one, then to the first capable live backend in
 registry order. Every input is the same on every rank of a group (the op's
 size rule guarantees it, see ``docs/tuning-table.md``), so every rank picks
@@ -96,7 +96,7 @@ class Selector:
             return explicit
         name = self.static.get(cls)
         if name is None and self.table is not None:
-            name = self.table.lookup(cls, group_size, nbytes)
+            name = self.table.lookup(cls, group_size, nbytes, device)
         if name is None:
             name = self.default
         if self.why_not(name, op, device, dtype, reduce_op) is None:
@@ -115,27 +115,30 @@ class Selector:
         if cls in self.static:
             candidates.append((self.static[cls], f"static map: {cls} -> {self.static[cls]}"))
         if self.table is not None:
-            name = self.table.lookup(cls, group_size, nbytes)
+            name = self.table.lookup(cls, group_size, nbytes, device)
             if name is not None:
-                learned = self.table.learned(cls, group_size, nbytes)
-                candidates.append((name, f"tuning table {self.table.source}: {cls}, group size "
+                learned = self.table.learned(cls, group_size, nbytes, device)
+                candidates.append((name, f"tuning table {self.table.source}: {cls} on {device}, group size "
                                          f"{group_size}, {nbytes} B" + (f" ({learned})" if learned else "")))
         candidates.append((self.default, "default backend"))
         candidates += [(n, "first live backend able to run it") for n in self.live]
-        skipped = []
+        skipped, tried = [], set()
         for name, why in candidates:
+            if name in tried:  # (the default is also a live backend: one reason each)
+                continue
+            tried.add(name)
             reason = self.why_not(name, op, device, dtype, reduce_op)
             if reason is None:
                 return name, why + "".join(f" (skipped {s})" for s in skipped)
             skipped.append(f"{name}: {reason}")
         raise UnsupportedError(f"{op} on {dtype} {device} tensors: no live backend can run it: "
-                               + "; ".join(dict.fromkeys(skipped)))
+                               + "; ".join(skipped))
 
-    def needs_agreement(self, op: str, group_size: int, explicit: Optional[str]) -> bool:
+    def needs_agreement(self, op: str, group_size: int, explicit: Optional[str], device: str = "cpu") -> bool:
         """Does the choice depend on a size that may differ across ranks?
 
         Only all-to-all with per-rank sizes, and only when the table (not an
         explicit/static choice) decides and uses more than one backend."""
         cls = OP_CLASS[op]
         return (cls == "all_to_all" and explicit is None and cls not in self.static and self.table is not None
-                and self.table.distinct_backends(cls, group_size) > 1)
+                and self.table.distinct_backends(cls, group_size, device) > 1)

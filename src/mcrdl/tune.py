@@ -103,22 +103,23 @@ def ranges(rows):
 
 
 def make_table(results: Sequence[Result], backends: Sequence[str], world: int, meta: dict,
-               margin: float = 0.05, remeasured: Optional[dict] = None) -> dict:
-    """A tuning-table document (``mcrdl-tuning/1``) for group size ``world``;
-    ``remeasured``: {bench op: [sizes]} measured twice (:func:`contested`)."""
+               margin: float = 0.05, remeasured: Optional[dict] = None, device: str = "cpu") -> dict:
+    """A tuning-table document (``mcrdl-tuning/2``) with rules for ``device``
+    tensors at group size ``world``; ``remeasured``: {bench op: [sizes]}
+    measured twice (:func:`contested`)."""
     rules = {}
     for op, rows in decide(results, backends, margin).items():
         rules[op] = {str(world): [
             {"max_bytes": mb, "backend": b, "margin": round(a, 4)} for mb, b, a in ranges(rows)]}
     return {"format": FORMAT, "metadata": {**meta, "decision": {
         "statistic": "median over rounds of the slowest rank's per-call time",
-        "hysteresis": margin, "remeasured": remeasured or {}}}, "rules": rules}
+        "hysteresis": margin, "remeasured": remeasured or {}}}, "rules": {device: rules}}
 
 
 def crossovers(table: dict) -> list[str]:
     """Readable lines: which backend each op uses up to which size."""
     lines = []
-    for op, by_size in table["rules"].items():
+    for device, op, by_size in ((d, op, by) for d, by_op in table["rules"].items() for op, by in by_op.items()):
         for g, rules in by_size.items():
             parts, prev = [], None
             for r in rules:
@@ -127,13 +128,14 @@ def crossovers(table: dict) -> list[str]:
                 margin = f" ({100 * r['margin']:+.0f}%)" if "margin" in r else ""
                 parts.append(f"{r['backend']} {span}{margin}")
                 prev = r["max_bytes"]
-            lines.append(f"{op} [{g} ranks]: " + ", ".join(parts))
+            lines.append(f"{op} [{g} ranks, {device}]: " + ", ".join(parts))
     return lines
 
 
-def gains(results: Sequence[Result], table: dict, backends: Sequence[str]) -> dict:
-    """Expected speed-up of the table over each single backend, per op:
-    geometric mean and max of time(single) / time(table's choice) over sizes."""
+def gains(results: Sequence[Result], table: dict, backends: Sequence[str], device: str = "cpu") -> dict:
+    """Expected speed-up of the table's ``device`` rules over each single
+    backend, per op: geometric mean and max of time(single) / time(table's
+    choice) over sizes."""
     import math
 
     times: dict[str, dict[int, dict[str, float]]] = {}
@@ -142,7 +144,7 @@ def gains(results: Sequence[Result], table: dict, backends: Sequence[str]) -> di
             times.setdefault(r.op, {}).setdefault(r.bytes, {})[r.variant] = r.max_us
     out = {}
     for op, by_size in times.items():
-        by_group = table["rules"][OP_CLASS[op]]
+        by_group = table["rules"][device][OP_CLASS[op]]
         rules = by_group[next(iter(by_group))]
         per_backend = {}
         for b in backends:

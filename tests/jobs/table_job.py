@@ -20,7 +20,7 @@ for item in sys.argv[1:]:
     nbytes, expected = item.split(":")
     nbytes = int(nbytes)
     text = mcrdl.explain("all_reduce", nbytes)
-    check(f": {expected} (tuning table {path}: all_reduce, group size {world}, {nbytes} B" in text,
+    check(f": {expected} (tuning table {path}: all_reduce on cpu, group size {world}, {nbytes} B" in text,
           "explain:", text, "expected", expected)
     t = torch.arange(nbytes // 4, dtype=torch.float32) + rank
     w = mcrdl.all_reduce(t, async_op=True)

@@ -210,6 +210,7 @@ class CostModel:
     """Fits per (op, backend) plus an optional tuning table for the choice."""
     fits: dict = field(default_factory=dict)  # (op, backend) -> Fit
     table: object = None  # mcrdl.TuningTable or None
+    table_device: str = "cpu"  # whose rules of the table decide
     source: str = ""
     notes: list = field(default_factory=list)
 
@@ -302,19 +303,15 @@ class CostModel:
 
     def load_table(self, path: str) -> None:
         """Use a tuning table for the choice (``TuningTable.lookup``); the
-        backends it names count as known."""
-        from ..tuning import TuningTable, TuningTableError, read_json
+        backends it names count as known. The rules used are the table's only
+        device's, else its ``cpu`` rules."""
+        from ..tuning import TuningTable, TuningTableError, named_backends, read_json
 
         doc = read_json(path, "tuning table", TuningTableError)
-        names = {b for _, b in self.fits} | {"mpi", "nccl", "gloo"}
-        try:
-            for by_size in doc["rules"].values():
-                for rules in by_size.values():
-                    names |= {r["backend"] for r in rules if isinstance(r, dict)
-                              and isinstance(r.get("backend"), str)}
-        except (KeyError, AttributeError, TypeError):
-            pass  # from_dict reports it with the path
+        names = {b for _, b in self.fits} | {"mpi", "nccl", "gloo"} | named_backends(doc)
         self.table = TuningTable.from_dict(doc, known=names, source=path)
+        devices = self.table.devices()
+        self.table_device = devices[0] if len(devices) == 1 else "cpu"
 
     def calibrate(self, docs, label: str = "logged calls") -> None:
         """Correct every (op, backend) that a logger export (``load_log``'s
@@ -402,7 +399,8 @@ class CostModel:
             raise ValueError(f"no alpha-beta values for {op} on any backend")
         note = ""
         if self.table is not None:
-            tb = self.table.lookup(OP_CLASS.get(op, op), select_group or group, int(round(nbytes)))
+            tb = self.table.lookup(OP_CLASS.get(op, op), select_group or group, int(round(nbytes)),
+                                   self.table_device)
             if tb in cands:
                 f = cands[tb]
                 return Choice(tb, f.time_us(nbytes, group), "tuning table", f)
