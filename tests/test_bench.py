@@ -447,7 +447,7 @@ def test_tune_rejects_variants_that_are_not_backends(tmp_path, backends):
     proc = mcrdl_cli("tune", "-n", "2", "--backends", backends, "--ops", "all_reduce",
                      "--out", out, *SHORT, timeout=120)
     assert proc.returncode != 0
-    assert "are not live backends for CPU tensors" in proc.stderr, proc.stderr[-3000:]
+    assert "are not live backends for cpu tensors" in proc.stderr, proc.stderr[-3000:]
     assert not out.exists()
 
 

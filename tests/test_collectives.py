@@ -35,3 +35,13 @@ def test_backend_added_by_one_module():
     out = run_job(2, "extra_backend_job.py", timeout=300)
     assert out.count("gloo2 selected by table and static map") == 2
     assert out.count("OK") >= 2 and "['gloo2']" in out
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_host_staging_on_cpu(nprocs):
+    """mpi_staged's copies in and back, its start queue, program order against
+    mpi and gloo, any-source receives, a receive's deadline, then every op
+    (CPU tensors stand for the device: the CUDA copies and events need a GPU)."""
+    out = run_job(nprocs, "staged_job.py", timeout=600)
+    assert out.count("staging checks OK") == nprocs, out[-3000:]
+    assert out.count(": OK ") == nprocs and "['mpi_staged_cpu']" in out, out[-3000:]

@@ -15,3 +15,10 @@ def test_nccl_and_order_against_cpu_backends(nprocs):
         pytest.skip(f"needs {nprocs} CUDA GPUs (one per rank)")
     out = run_job(nprocs, "cuda_job.py", timeout=300)
     assert out.count("CUDA OK") == nprocs
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_host_staged_mpi_on_cuda_tensors(nprocs):
+    """Ranks may share a GPU here: staging goes through host memory."""
+    out = run_job(nprocs, "cuda_staged_job.py", timeout=300)
+    assert out.count("CUDA staged OK") == nprocs

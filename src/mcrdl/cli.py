@@ -54,6 +54,9 @@ def _cmd_info(args) -> int:
         if "mpi" in versions:
             from .backends import native
             console.print(f"MPI hot path: {native.status()}")
+            from .backends.mpi import cuda_support
+            aware, how = cuda_support()
+            console.print(f"MPI takes CUDA memory: {'yes' if aware else 'no'} ({how})")
         console.print(f"waits: {mcrdl.wait_policy()} (MCRDL_WAIT={os.environ.get('MCRDL_WAIT', 'auto')})")
     finally:
         mcrdl.destroy_process_group()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .base import OPS, Backend, Context
 from .mpi import MPIBackend
+from .mpi_staged import StagedMPIBackend
 from .torch_pg import GlooBackend, NCCLBackend
 
 #: Registered backends in preference order (first capable one is the fallback).
@@ -21,7 +22,7 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-for _cls in (MPIBackend, NCCLBackend, GlooBackend):
+for _cls in (MPIBackend, NCCLBackend, GlooBackend, StagedMPIBackend):
     register_backend(_cls)
 
 __all__ = ["OPS", "REGISTRY", "Backend", "Context", "register_backend"]

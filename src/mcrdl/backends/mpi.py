@@ -2,8 +2,9 @@
 
 CPU tensors are handed to MPI zero-copy as raw buffers (address, count,
 datatype): no ``.numpy()``, no DLPack round trip, no pickling. CUDA tensors go
-through DLPack only when the MPI is CUDA-aware (``MCRDL_MPI_CUDA_AWARE=1``),
-after the producing stream finished. MPI has no bfloat16 (and MPICH reduces
+through DLPack only when the MPI is CUDA-aware (:func:`cuda_support`), after
+the producing stream finished; otherwise the ``mpi_staged`` backend
+(backends/mpi_staged.py) moves them through host memory. MPI has no bfloat16 (and MPICH reduces
 float16 in software): both move as 16-bit words, and reduce in float32,
 rounded back.
 """
@@ -24,6 +25,30 @@ def mpi_launched() -> bool:
     """True when an MPI launcher (Hydra, Open MPI, PMIx, Slurm+PMI) started us."""
     return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK",
                                          "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID"))
+
+
+def cuda_support() -> tuple[bool, str]:
+    """(does MPI take CUDA device memory, how that was decided):
+    ``MCRDL_MPI_CUDA_AWARE=1|0`` when set, else the loaded MPI library's own
+    answer (``MPIX_Query_cuda_support``, in MPICH and Open MPI), else no."""
+    env = os.environ.get("MCRDL_MPI_CUDA_AWARE")
+    if env is not None:
+        return env == "1", f"MCRDL_MPI_CUDA_AWARE={env}"
+    import ctypes
+
+    try:  # the libraries mpi4py loaded (Linux); asking needs no CUDA
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = sorted({f[5] for f in (line.split(maxsplit=5) for line in maps)
+                            if len(f) == 6 and "libmpi" in f[5] and f[5].startswith("/")})
+    except OSError:
+        paths = []
+    for path in (p.rstrip() for p in paths):
+        try:
+            query = ctypes.CDLL(path).MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        return bool(query()), "MPIX_Query_cuda_support"
+    return False, "the MPI library does not say"
 
 
 def import_mpi():
@@ -112,7 +137,7 @@ class MPIBackend(Backend):
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         MPI = self.MPI = import_mpi()
-        self.cuda_aware = os.environ.get("MCRDL_MPI_CUDA_AWARE", "0") == "1"
+        self.cuda_aware, self.cuda_aware_source = cuda_support()
         self.devices = frozenset({"cpu", "cuda"} if self.cuda_aware else {"cpu"})
         # Datatypes used to move bytes (every dtype) and to reduce (not bf16/bool).
         self.move_types = {
