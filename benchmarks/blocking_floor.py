@@ -2,14 +2,16 @@
 call (what raw mpi4py and OSU's C benchmarks time) against its nonblocking form
 completed by an ``MPI_Test`` spin (what mcrdl's compiled path runs, so that
 every wait has a deadline and other libraries keep progressing: DESIGN hazards
-1 and 6), both in C with nothing else in the loop (benchmarks/c/blocking_loop.c,
-built with the job's mpicc).
+1 and 6) and completed by ``MPI_Wait`` (waiting inside the library), all in C
+with nothing else in the loop (benchmarks/c/blocking_loop.c, built with the
+job's mpicc).
 
     mcrdl run -n 2 benchmarks/blocking_floor.py [--sizes 4,1K,16K,256K] [--rounds 5] [--json out.json]
 
-Per size, ``R`` rounds; each round runs every (op, form) once, alternating the
-forms; a value is the slowest rank's seconds per call; the report is the median
-over rounds of the nonblocking / blocking ratio, with both medians in µs.
+Per size, ``R`` rounds; each round runs every (op, form) once, rotating the
+order of the forms; a value is the slowest rank's seconds per call; the report
+is, per nonblocking form, the median over rounds of its ratio to the blocking
+call, with the medians in µs.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from allreduce_latency import build_c, parse_size
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "all_to_all", "reduce_scatter"]
 SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "blocking_loop.c")
+#: blocking_loop's forms, in its numbering: the blocking call, nonblocking + MPI_Test spin, + MPI_Wait
+FORMS = ["blocking", "test", "wait"]
 
 
 def build(workdir: str):
@@ -57,27 +61,30 @@ def main() -> int:
             buf_a, buf_b = np.zeros(count, np.float32), np.zeros(count * n, np.float32)
             iters = max(200, min(5000, (1 << 24) // max(nbytes, 1) // 8))
             for op_id, op in enumerate(OPS):
-                times = {False: [], True: []}
+                times = {form: [] for form in FORMS}
                 for r in range(a.rounds):
-                    for nb in ((False, True) if r % 2 == 0 else (True, False)):
-                        t = loop(comm.py2f(), op_id, int(nb), buf_a.ctypes.data, buf_b.ctypes.data, count,
-                                 iters, max(iters // 10, 20))
-                        times[nb].append(comm.allreduce(t, op=MPI.MAX) * 1e6)
-                ratios = [x / y for x, y in zip(times[True], times[False])]
-                results.append({"op": op, "bytes": nbytes, "iters": iters, "blocking_us": statistics.median(times[False]),
-                                "nonblocking_us": statistics.median(times[True]),
-                                "ratio": statistics.median(ratios), "ratios": ratios})
+                    for form in FORMS[r % 3:] + FORMS[:r % 3]:
+                        t = loop(comm.py2f(), op_id, FORMS.index(form), buf_a.ctypes.data, buf_b.ctypes.data,
+                                 count, iters, max(iters // 10, 20))
+                        times[form].append(comm.allreduce(t, op=MPI.MAX) * 1e6)
+                row = {"op": op, "bytes": nbytes, "iters": iters, "blocking_us": statistics.median(times["blocking"])}
+                for form in FORMS[1:]:
+                    ratios = [x / y for x, y in zip(times[form], times["blocking"])]
+                    row.update({f"{form}_us": statistics.median(times[form]),
+                                f"{form}_ratio": statistics.median(ratios), f"{form}_ratios": ratios})
+                results.append(row)
     if rank == 0:
-        table = Table(title=f"MPI nonblocking + MPI_Test spin / blocking, {n} ranks, median of {a.rounds} rounds "
-                            f"({MPI.Get_library_version().splitlines()[0].strip()})")
-        table.add_column("op")
-        for nbytes in sizes:
-            table.add_column(f"{nbytes} B", justify="right")
-        for op in OPS:
-            cells = [next(r for r in results if r["op"] == op and r["bytes"] == s) for s in sizes]
-            table.add_row(op, *(f"{c['nonblocking_us']:.2f} / {c['blocking_us']:.2f} us = {c['ratio']:.2f}x"
-                                for c in cells))
-        Console(width=200).print(table)
+        for form, label in (("test", "MPI_Test spin"), ("wait", "MPI_Wait")):
+            table = Table(title=f"MPI nonblocking + {label} / blocking, {n} ranks, median of {a.rounds} rounds "
+                                f"({MPI.Get_library_version().splitlines()[0].strip()})")
+            table.add_column("op")
+            for nbytes in sizes:
+                table.add_column(f"{nbytes} B", justify="right")
+            for op in OPS:
+                cells = [next(r for r in results if r["op"] == op and r["bytes"] == s) for s in sizes]
+                table.add_row(op, *(f"{c[form + '_us']:.2f} / {c['blocking_us']:.2f} us = {c[form + '_ratio']:.2f}x"
+                                    for c in cells))
+            Console(width=200).print(table)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"benchmark": "blocking_floor", "world_size": n, "rounds": a.rounds,
