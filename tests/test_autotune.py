@@ -133,6 +133,31 @@ def test_saved_rules_keep_the_seed_table_outside_the_learned_buckets():
     assert table.learned("all_reduce", 2, 4000) is None
 
 
+def test_saved_rules_are_per_device():
+    """Buckets learned on CUDA tensors become the table's cuda rules; the seed's
+    cpu rules stay as they were."""
+    seed = TuningTable.from_dict({"format": "mcrdl-tuning/2", "rules": {
+        "cpu": {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo"}]}}}}, REGISTRY)
+
+    class Seeded(_Sel):
+        table = seed
+
+    tuner = Autotuner(Seeded())
+    buckets = {}
+    tuner.groups = [("world", 2, buckets)]
+    k = Bucket(("nccl", "mpi_staged"))
+    k.winner, k.agreed, k.how = "mpi_staged", {"nccl": 9.0, "mpi_staged": 4.0}, "measured fastest"
+    buckets[("all_reduce", "cuda", 3)] = k  # 4-7 B
+    doc = tuner.table(2)
+    assert doc["rules"]["cpu"] == {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo"}]}}
+    # no cuda seed: the one learned bucket covers every size
+    assert doc["rules"]["cuda"] == {"all_reduce": {"2": [{"max_bytes": None, "backend": "mpi_staged"}]}}
+    table = TuningTable.from_dict(json.loads(json.dumps(doc)), REGISTRY)
+    assert table.lookup("all_reduce", 2, 5, "cuda") == "mpi_staged" and table.lookup("all_reduce", 2, 5) == "gloo"
+    assert table.learned("all_reduce", 2, 5, "cuda").startswith("learned in-situ by group world: nccl 9.0 us")
+    assert table.learned("all_reduce", 2, 5) is None
+
+
 def test_saved_rules_merge_buckets_and_cover_every_size():
     tuner = Autotuner(_Sel())
     buckets = {}
