@@ -396,22 +396,25 @@ def test_tune_one_backend(tmp_path):
     assert doc["metadata"]["sweep"]["backends"] == ["gloo"]
 
 
-def test_tune_merge_keeps_the_other_devices_rules(tmp_path):
-    """`--merge OLD`: the table written has the device just measured from the
-    sweep and OLD's rules for every other device type (a v1 file's are cpu)."""
+def test_tune_merge_replaces_only_what_was_measured(tmp_path):
+    """`--merge OLD`: the table written is OLD with the rules just measured
+    (device, op, group size) in place of OLD's; the rest of OLD stays."""
     old = tmp_path / "old.json"
     cuda = {"all_reduce": {"2": [{"max_bytes": 4096, "backend": "mpi"}, {"max_bytes": None, "backend": "nccl"}]}}
     old.write_text(json.dumps({"format": "mcrdl-tuning/2", "metadata": {"note": "from the GPU run"},
-                               "rules": {"cpu": {"broadcast": {"2": [{"max_bytes": None, "backend": "mpi"}]}},
+                               "rules": {"cpu": {"broadcast": {"2": [{"max_bytes": None, "backend": "mpi"}]},
+                                                 "all_reduce": {"2": [{"max_bytes": None, "backend": "mpi"}],
+                                                                "8": [{"max_bytes": None, "backend": "mpi"}]}},
                                          "cuda": cuda}}))
     out = tmp_path / "t.json"
     ok(mcrdl_cli("tune", "-n", "2", "--device", "cpu", "--backends", "gloo", "--ops", "all_reduce",
                  "--merge", old, "--out", out, *SHORT, timeout=120))
     doc = json.loads(out.read_text())
-    assert doc["rules"] == {"cpu": {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo", "margin": 0.0}]}},
-                            "cuda": cuda}  # OLD's cpu rules are replaced, not mixed in
-    assert doc["metadata"]["merged"] == {"table": str(old), "devices": ["cuda"],
-                                         "metadata": {"note": "from the GPU run"}}
+    assert doc["rules"] == {"cpu": {"broadcast": {"2": [{"max_bytes": None, "backend": "mpi"}]},
+                                    "all_reduce": {"2": [{"max_bytes": None, "backend": "gloo", "margin": 0.0}],
+                                                   "8": [{"max_bytes": None, "backend": "mpi"}]}},
+                            "cuda": cuda}
+    assert doc["metadata"]["merged"] == {"table": str(old), "metadata": {"note": "from the GPU run"}}
     assert doc["metadata"]["device"] == "cpu"
     TuningTable.from_dict(doc, KNOWN)
     bad = tmp_path / "bad.json"

@@ -45,3 +45,8 @@ def test_host_staging_on_cpu(nprocs):
     out = run_job(nprocs, "staged_job.py", timeout=600)
     assert out.count("staging checks OK") == nprocs, out[-3000:]
     assert out.count(": OK ") == nprocs and "['mpi_staged_cpu']" in out, out[-3000:]
+
+
+def test_backend_live_on_some_ranks_is_left_out_everywhere():
+    out = run_job(2, "live_agreement_job.py", timeout=120)
+    assert out.count("backends agreed") == 2, out[-3000:]

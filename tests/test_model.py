@@ -316,8 +316,26 @@ def test_cost_model_from_several_sweeps_takes_the_median_per_size(tmp_path):
     cold = {**docs[1], "metadata": {**docs[1]["metadata"], "mode": "cold"}}
     with pytest.raises(ValueError, match="metadata.mode: 'cold' differs"):
         CostModel.from_bench([docs[0], cold])
+    gpu = {**docs[1], "metadata": {**docs[1]["metadata"], "device": "cuda"}}
+    with pytest.raises(ValueError, match="metadata.device: 'cuda' differs from .*'cpu'"):
+        CostModel.from_bench([docs[0], gpu])
     with pytest.raises(ValueError, match="no bench results given"):
         CostModel.from_bench([])
+
+
+def test_table_rules_of_the_bench_device_decide(tmp_path):
+    """A table with cpu and cuda rules: a CUDA sweep's model looks up the cuda rules."""
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"format": "mcrdl-tuning/2", "rules": {
+        "cpu": {"all_reduce": {"2": [{"max_bytes": None, "backend": "gloo"}]}},
+        "cuda": {"all_reduce": {"2": [{"max_bytes": None, "backend": "mpi"}]}}}}))
+    fits = {("all_reduce", "mpi"): (5.0, 1e-3), ("all_reduce", "gloo"): (50.0, 1e-3)}
+    for device, want in (("cpu", "gloo"), ("cuda", "mpi")):
+        doc = bench_doc(fits)
+        doc["metadata"]["device"] = device
+        model = CostModel.from_bench(doc)
+        model.load_table(str(table))
+        assert model.choose("all_reduce", 64, 2).backend == want, device
 
 # -- validation ---------------------------------------------------------------------------
 @pytest.mark.parametrize("sections, message", [

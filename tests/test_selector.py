@@ -363,3 +363,21 @@ def test_table_rules_are_per_device():
                                                              "size 2, 64 B")
     assert s.explain("all_reduce", 64, 2, "cuda") == ("gloo", "first live backend able to run it (skipped mpi: "
                                                               "backend 'mpi' does not take cuda tensors)")
+
+
+def test_cuda_default_is_nccl_unless_a_default_was_named():
+    """A CUDA-aware MPI takes CUDA tensors, but with no table and no named
+    default, CUDA tensors go to NCCL (the runtime passes device_defaults)."""
+    class AwareMPI(FakeMPI):
+        devices = frozenset({"cpu", "cuda"})
+
+    backends = {"mpi": AwareMPI(ctx=None), "nccl": FakeNCCL(ctx=None), "gloo": FakeGloo(ctx=None)}
+    s = Selector(backends, "mpi", device_defaults={"cuda": "nccl"})
+    assert s.choose("all_reduce", 64, 2, "cuda", F32) == "nccl"
+    assert s.choose("all_reduce", 64, 2, "cpu", F32) == "mpi"
+    assert s.explain("all_reduce", 64, 2, "cuda") == ("nccl", "default backend for cuda tensors")
+    assert Selector(backends, "mpi").choose("all_reduce", 64, 2, "cuda", F32) == "mpi"  # a named default
+    table = tbl(doc={"format": FORMAT, "rules": {"cuda": {"all_reduce": {"2": [{"max_bytes": None,
+                                                                               "backend": "mpi"}]}}}})
+    assert Selector(backends, "mpi", table=table, device_defaults={"cuda": "nccl"}).choose(
+        "all_reduce", 64, 2, "cuda", F32) == "mpi"  # the table comes first

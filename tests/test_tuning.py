@@ -463,18 +463,21 @@ def test_docs_example_loads_and_matches_text():
         pytest.skip("docs/tuning-table.md not present")
     text = doc.read_text(encoding="utf-8")
     block = re.search(r"```json\n(.*?)```", text, re.S).group(1)
-    t = TuningTable.from_dict(json.loads(block), KNOWN, source="example")
+    known = KNOWN + ["mpi_staged"]
+    t = TuningTable.from_dict(json.loads(block), known, source="example")
     assert t.devices() == ["cpu", "cuda"]
     assert [t.lookup("all_reduce", 8, n, "cuda") for n in (16384, 16385, 4194304, 4194305)] == \
-        ["mpi", "gloo", "gloo", "nccl"]
+        ["mpi_staged", "mpi", "mpi", "nccl"]
     assert [t.lookup("all_reduce", 8, n) for n in (20000, 65536, 65537)] == ["mpi", "mpi", "gloo"]
-    assert t.lookup("all_reduce", 4, 65536, "cuda") == "mpi" and t.lookup("all_reduce", 4, 65537, "cuda") == "nccl"
-    assert t.lookup("all_reduce", 32, 20000, "cuda") == "gloo"
-    assert t.lookup("all_gather", 2, 10, "cuda") == "mpi" and t.lookup("all_gather", 2, 10) is None
+    assert t.lookup("all_reduce", 4, 65536, "cuda") == "mpi_staged"
+    assert t.lookup("all_reduce", 4, 65537, "cuda") == "nccl"
+    assert t.lookup("all_reduce", 32, 20000, "cuda") == "mpi"
+    assert t.lookup("all_gather", 2, 10, "cuda") == "mpi_staged" and t.lookup("all_gather", 2, 10) is None
     with pytest.warns(UserWarning):
-        u = TuningTable.from_dict(json.loads(block), KNOWN, ["mpi", "gloo"])
-    assert u.lookup("all_reduce", 8, 20000, "cuda") == "gloo"
-    assert u.distinct_backends("all_to_all", 16, "cuda") == 2
+        u = TuningTable.from_dict(json.loads(block), known, ["mpi", "gloo"])
+    assert u.lookup("all_reduce", 8, 20000, "cuda") == "mpi"
+    assert t.distinct_backends("all_to_all", 16, "cuda") == 2
+    assert u.distinct_backends("all_to_all", 16, "cuda") == 1  # mpi_staged and nccl not live: one "none"
 
 
 # -- version 2: rules per device type ------------------------------------------------------------

@@ -200,9 +200,10 @@ def test_coarse_map_from_table_majority():
     from mcrdl.workloads.common import coarse_map_from_table
 
     doc = {"metadata": {"sweep": {"sizes": [4, 256, 4096, 65536, 1 << 20]}},
-           "rules": {"all_reduce": {"2": [{"max_bytes": 256, "backend": "mpi"},
-                                          {"max_bytes": None, "backend": "gloo"}]},
-                     "all_to_all": {"2": [{"max_bytes": None, "backend": "mpi"}]}}}
+           "rules": {"cpu": {"all_reduce": {"2": [{"max_bytes": 256, "backend": "mpi"},
+                                                  {"max_bytes": None, "backend": "gloo"}]},
+                             "all_to_all": {"2": [{"max_bytes": None, "backend": "mpi"}]}},
+                     "cuda": {"all_to_all": {"2": [{"max_bytes": None, "backend": "nccl"}]}}}}
     assert coarse_map_from_table(doc, ["all_reduce", "all_to_all", "broadcast"], 2) == \
         {"all_reduce": "gloo", "all_to_all": "mpi"}
     # a tie goes to the backend of the largest size

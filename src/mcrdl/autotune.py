@@ -271,7 +271,7 @@ class Autotuner:
         if sel.table is not None:
             seed = sel.table.lookup(cls, size, bucket_bounds(bkt)[0], device)
         if seed is None:
-            seed = sel.default
+            seed = sel.device_defaults.get(device, sel.default)
         live = sorted(n for n, be in sel.live.items() if device in be.devices)  # one order on every rank
         return tuple(dict.fromkeys(([seed] if seed in live else []) + live))
 

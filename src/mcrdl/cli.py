@@ -90,18 +90,16 @@ def _live_for(mcrdl, device: str) -> list:
     return live
 
 
-def _merged_rules(path: str, device: str) -> dict:
-    """A table's rules for device types other than ``device`` and where they
-    came from (``mcrdl tune --merge``); read before the sweep so a bad file
-    fails early."""
+def _merged_rules(path: str) -> dict:
+    """A table's rules and where they came from (``mcrdl tune --merge``);
+    read before the sweep so a bad file fails early."""
     from .backends import REGISTRY
     from .tuning import TuningTable
 
     with warnings.catch_warnings():  # its backends need not be live in this job
         warnings.simplefilter("ignore")
         old = TuningTable.load(path, REGISTRY, live=())
-    rules = {d: r for d, r in old.to_dict()["rules"].items() if d != device}
-    return {"rules": rules, "metadata": {"table": path, "devices": sorted(rules), "metadata": old.metadata}}
+    return {"rules": old.to_dict()["rules"], "metadata": {"table": path, "metadata": old.metadata}}
 
 
 def _in_job() -> bool:
@@ -244,7 +242,7 @@ def _cmd_tune(args, argv) -> int:
         bad = [b for b in backends if b not in live]
         if bad:
             raise ValueError(f"--backends {bad} are not live backends for {device} tensors (live: {', '.join(live)})")
-        merged = _merged_rules(args.merge, device) if args.merge else {}
+        merged = _merged_rules(args.merge) if args.merge else None
         ops = _ops(args)
         sizes = _sweep_settings(args, [4, 256, 4096, 65536, 1 << 20, 4 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
@@ -268,8 +266,10 @@ def _cmd_tune(args, argv) -> int:
                                "large_iters": large, "rounds": rounds, "warmup": args.warmup,
                                "quick": args.quick}, b.mode, device)
         table = tune.make_table(results, backends, world, meta, args.margin, again, device)
-        if merged:
-            table["rules"].update(merged["rules"])
+        if merged:  # what was measured (device, op, group size) replaces OLD's, the rest stays
+            for op, by_size in table["rules"][device].items():
+                merged["rules"].setdefault(device, {}).setdefault(op, {}).update(by_size)
+            table["rules"] = merged["rules"]
             table["metadata"]["merged"] = merged["metadata"]
         if rank == 0:
             with open(args.out, "w", encoding="utf-8") as f:
@@ -428,7 +428,8 @@ def parser() -> argparse.ArgumentParser:
                            help="a new backend must be this much faster to take over (default 0.05)")
             c.add_argument("--out", default="mcrdl-tuning.json", help="tuning table to write")
             c.add_argument("--merge", metavar="TABLE",
-                           help="keep TABLE's rules for the other device types in the table written")
+                           help="write TABLE's rules with the measured ones in place of theirs (device, op, "
+                                "group size): one table for CPU and CUDA tensors, or several world sizes")
             c.add_argument("--results", help="also write the raw measurements as JSON")
         c.set_defaults(func=fn, wants_argv=True)
 

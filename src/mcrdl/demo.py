@@ -172,7 +172,7 @@ def _inner(args, names: List[str]) -> int:
     table = args.table
     if table is None and set(TABLE_MODES) & set(modes):
         table = os.path.join(args.out, "table.json")
-        rc = cli.main(["tune", "--quick", "--ops", ",".join(TUNE_OPS), "--sizes", args.tune_sizes,
+        rc = cli.main(["tune", "--quick", "--device", "cpu", "--ops", ",".join(TUNE_OPS), "--sizes", args.tune_sizes,
                        "--rounds", "5", "--out", table])
         if rc != 0:
             return rc
@@ -241,6 +241,18 @@ def rows_of(docs: Dict[str, dict]) -> List[dict]:
     return rows
 
 
+def _table_doc(path: str) -> dict:
+    """A tuning table file in the current format (version 1 files are converted)."""
+    import warnings
+
+    from .backends import REGISTRY
+    from .tuning import TuningTable
+
+    with warnings.catch_warnings():  # this report runs no op: liveness does not matter
+        warnings.simplefilter("ignore")
+        return TuningTable.load(path, REGISTRY).to_dict()
+
+
 def report(args, names: List[str], out: str, elapsed: Optional[float], command: str) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -272,8 +284,7 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
     table_path = next((d.get("table") for d in docs.values() if d.get("table")), None)
     rules = None
     if table_path and os.path.exists(table_path):
-        with open(table_path, encoding="utf-8") as f:
-            tdoc = json.load(f)
+        tdoc = _table_doc(table_path)
         rules = tdoc.get("rules")
         console.print(f"tuning table {table_path}:")
         for line in crossovers(tdoc):

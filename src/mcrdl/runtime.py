@@ -279,9 +279,13 @@ class Runtime:
                 self.unavailable[name] = reason
                 if backends is not None:
                     warnings.warn(f"mcrdl: backend {name!r} requested but not started: {reason}")
+        if self.mpi_comm is not None and self.world_size > 1:
+            self._keep_backends_live_everywhere()
         if not self.backends:
             raise RuntimeError("mcrdl: no backend could start: " + "; ".join(
                 f"{n}: {r}" for n, r in self.unavailable.items()))
+        # for CUDA tensors NCCL unless a default was named (a CUDA-aware MPI is first in line otherwise)
+        device_defaults = {"cuda": "nccl"} if default is None and "nccl" in self.backends else {}
         default = default or next(iter(self.backends))
         if default not in self.backends:
             raise ValueError(f"default backend {default!r} is not live (live: {', '.join(self.backends)}"
@@ -289,7 +293,7 @@ class Runtime:
         self.default_backend = default
         if table is not None:  # again, now that we know which backends are live
             table = TuningTable.from_dict(table.to_dict(), REGISTRY, self.backends, table.source)
-        self.selector = Selector(self.backends, default, op_backends, table)
+        self.selector = Selector(self.backends, default, op_backends, table, device_defaults)
         #: in-situ autotuning (mcrdl.autotune), or None
         self.autotune = None if tuning is None else Autotuner(self.selector, **tuning)
         self.debug = os.environ.get("MCRDL_DEBUG", "0") == "1" if debug is None else bool(debug)
@@ -303,6 +307,17 @@ class Runtime:
             self.logger = CommsLogger(self.rank, self.world_size,
                                       lambda data: self.control_allgather(self.world, data),
                                       None if self.autotune is None else self.autotune.report)
+
+    def _keep_backends_live_everywhere(self) -> None:
+        """Drop the backends that did not start on every rank (say a GPU on some
+        nodes only): making a group is collective for some of them (MPI), so
+        one live on some ranks only would hang the first ``new_group``."""
+        everywhere = self.mpi_comm.allgather(sorted(self.backends))
+        for name in [n for n in self.backends if not all(n in names for names in everywhere)]:
+            missing = [r for r, names in enumerate(everywhere) if name not in names]
+            self.backends.pop(name).shutdown()
+            self.unavailable[name] = f"not live on every rank (not on ranks {missing})"
+            warnings.warn(f"mcrdl: backend {name!r} is left out: it did not start on ranks {missing}")
 
     # -- launch and rendezvous ---------------------------------------------------
     def _launch(self) -> None:

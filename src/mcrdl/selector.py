@@ -1,7 +1,8 @@
 """Which backend runs an operation.
 
 Precedence: ``backend=`` on the call, the static per-op map, the tuning
-table (its rules for the device type of the op's tensors), the default backend. A choice that cannot run the op (device, dtype)
+table (its rules for the device type of the op's tensors), the default backend
+(for CUDA tensors NCCL, unless a default was named). A choice that cannot run the op (device, dtype)
 falls through to the next one, then to the first capable live backend in
 registry order. Every input is the same on every rank of a group (the op's
 size rule guarantees it, see ``docs/tuning-table.md``), so every rank picks
@@ -34,9 +35,11 @@ def parse_op_backends(spec: str) -> dict[str, str]:
 class Selector:
     def __init__(self, live: Mapping[str, Backend], default: str,
                  op_backends: Optional[Mapping[str, str]] = None,
-                 table: Optional[TuningTable] = None):
+                 table: Optional[TuningTable] = None, device_defaults: Optional[Mapping[str, str]] = None):
         self.live = dict(live)
         self.default = default
+        #: per device type, a default other than ``default`` (CUDA tensors: NCCL unless one was named)
+        self.device_defaults = dict(device_defaults or {})
         self.table = table
         self.static: dict[str, str] = {}
         for op, name in (op_backends or {}).items():
@@ -98,7 +101,7 @@ class Selector:
         if name is None and self.table is not None:
             name = self.table.lookup(cls, group_size, nbytes, device)
         if name is None:
-            name = self.default
+            name = self.device_defaults.get(device, self.default)
         if self.why_not(name, op, device, dtype, reduce_op) is None:
             return name
         return self.explain(op, nbytes, group_size, device, dtype, reduce_op)[0]
@@ -120,6 +123,8 @@ class Selector:
                 learned = self.table.learned(cls, group_size, nbytes, device)
                 candidates.append((name, f"tuning table {self.table.source}: {cls} on {device}, group size "
                                          f"{group_size}, {nbytes} B" + (f" ({learned})" if learned else "")))
+        if device in self.device_defaults:
+            candidates.append((self.device_defaults[device], f"default backend for {device} tensors"))
         candidates.append((self.default, "default backend"))
         candidates += [(n, "first live backend able to run it") for n in self.live]
         skipped, tried = [], set()

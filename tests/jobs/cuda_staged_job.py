@@ -74,8 +74,5 @@ for i in range(3):
     work.wait()
     check(bool((x.cpu() == sum(r + 1 for r in range(world))).all()), "staged op ran before its producer", x[:4])
     check(i == 0 or submit_s < SLEEP_S / 2, f"submitting blocked the caller for {submit_s:.3f} s")  # (warm)
-    # later work on the stream sees the result copied back
-    y = x * 2
-    check(bool((y.cpu() == 2 * sum(r + 1 for r in range(world))).all()), "stream did not wait for the copy back")
 mcrdl.destroy_process_group()
 print(f"rank {rank}: CUDA staged OK")

@@ -1,8 +1,12 @@
 """Host-staged MPI's staging, on CPU tensors (no GPU here): a subclass that
 declares CPU tensors runs every op through separate host buffers, copies in
-and back, and the start queue. Then the whole op matrix on it."""
+and back, and the start queue. A second subclass's copies in land only after
+a number of polls that differs per rank and per op, as CUDA events do: starts
+are deferred and must still keep their order on every rank. Then the whole op
+matrix on the first."""
 import runpy
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -25,6 +29,32 @@ class StagedOnCPU(StagedMPIBackend):
     @classmethod
     def unavailable_reason(cls, ctx):
         return MPIBackend.unavailable_reason(ctx)
+
+
+class Lands:
+    """A copy in that has landed after ``polls`` queries (a CUDA event's query)."""
+
+    def __init__(self, polls):
+        self.left = polls
+
+    def query(self):
+        self.left -= 1
+        return self.left < 0
+
+
+@mcrdl.register_backend
+class LateCopies(StagedOnCPU):
+    """Copies in land after 0-6 polls, in a different pattern on each rank;
+    ``never`` makes the next one never land."""
+    name = "mpi_staged_late"
+    count, never = 0, False
+
+    def copy_in(self, pending):
+        super().copy_in(pending)  # (copies at once: CPU)
+        self.count += 1
+        polls = 10 ** 9 if self.never else (self.count * (3 if mcrdl.get_rank() % 2 else 5)) % 7
+        self.never = False
+        return Lands(polls)
 
 
 mcrdl.init_process_group(timeout=60)
@@ -81,14 +111,54 @@ if world > 1:
     else:
         mcrdl.send(value(rank, 8, torch.float32), 0, tag=9, backend=NAME)
 
-# a receive nobody sends to fails at the group's deadline and is withdrawn
+# a receive nobody sends to fails at the group's deadline; its tensor is left alone
 small = mcrdl.new_group(list(range(world)), timeout=2)
+engine = mcrdl.api._rt().engine
 if world > 1 and rank == 1:
+    t = torch.full((4,), 5.0)
     try:
-        mcrdl.recv(torch.empty(4), 0, group=small, tag=77, backend=NAME)
+        mcrdl.recv(t, 0, group=small, tag=77, backend=NAME)
         check(False, "a receive with no sender completed")
     except mcrdl.CommTimeoutError as exc:
         check(NAME in str(exc), "timeout names the backend:", exc)
+    for _ in range(100):
+        engine.poll()
+    check(torch.equal(t, torch.full((4,), 5.0)), "a cancelled receive wrote its tensor:", t)
+mcrdl.barrier()
+
+# deferred starts: copies in land late, differently per rank and op; collectives of
+# different sizes must still start in submission order everywhere (else they cross),
+# while another thread polls the engine as a future's helper thread does
+LATE = "mpi_staged_late"
+late = mcrdl.new_group(list(range(world)), timeout=20)
+stop = threading.Event()
+poller = threading.Thread(target=lambda: [engine.poll() for _ in iter(stop.is_set, True)], daemon=True)
+poller.start()
+for rnd in range(20):
+    ts = [value(rank, 3 + 5 * i + rnd, torch.float32, salt=i) for i in range(6)]
+    works = [mcrdl.all_reduce(x, group=late, backend=LATE, async_op=True) for x in ts[:3]]
+    works.append(mcrdl.broadcast(ts[3], src=0, group=late, backend=LATE, async_op=True))
+    works += [mcrdl.all_reduce(x, group=late, backend=LATE, async_op=True) for x in ts[4:]]
+    for w in reversed(works):
+        w.wait()
+    for i, x in enumerate(ts):
+        want = value(0, 3 + 5 * i + rnd, torch.float32, salt=i) if i == 3 else \
+            reduced(range(world), 3 + 5 * i + rnd, torch.float32, "sum", salt=i)
+        check(torch.equal(x, want), "deferred start out of order: round", rnd, "op", i)
+stop.set()
+poller.join()
+check(mcrdl.api._rt().backends[LATE].count > 100, "copies in were deferred")
+# a send whose copy in never lands misses its deadline, is withdrawn (never
+# started: nothing to cancel in MPI), and is not kept (no receive is posted)
+quick = mcrdl.new_group(list(range(world)), timeout=1)
+mcrdl.api._rt().backends[LATE].never = True
+try:
+    mcrdl.send(torch.ones(2), peer, group=quick, tag=5, backend=LATE)
+    check(False, "a send whose input never reached the host completed")
+except mcrdl.CommTimeoutError:
+    pass
+engine.poll()
+check(not engine._abandoned, "a withdrawn op is still polled:", engine._abandoned)
 mcrdl.barrier()
 mcrdl.destroy_process_group()
 print(f"rank {rank}: staging checks OK")

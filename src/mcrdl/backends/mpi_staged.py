@@ -3,20 +3,23 @@ CUDA-aware.
 
 Each op copies its inputs from the device into host buffers, runs the MPI
 backend's op on those, and copies the outputs back. With CUDA tensors the
-copies run on a side stream, ordered after the work already queued on the
-caller's stream (an event, not a host-blocking synchronize), into pinned
-buffers from torch's caching host allocator; the op starts when the progress
-engine sees the copy's event complete, and completes when the copy back has
-landed (later work on the caller's stream is also ordered after it). A
-request therefore starts after it is submitted, so requests start strictly in
-submission order (a FIFO per backend): every rank then starts its collectives
-on a communicator in the same order, as MPI requires.
+copies run on two side streams (copies in, copies back), each ordered after
+the work queued on the caller's stream before the op (an event, not a
+host-blocking synchronize), with pinned buffers from torch's caching host
+allocator; the op starts when the progress engine sees the copy's event
+complete, and completes when the copy back has landed (later work on the
+caller's stream is also ordered after it). A request therefore starts after
+it is submitted, so requests start strictly in submission order (a queue per
+backend, under a lock: the engine's helper threads poll too): every rank then
+starts its collectives on a communicator in the same order, as MPI requires.
+A cancelled op (a missed deadline) copies nothing back.
 
 Selectable like any backend (``backend="mpi_staged"``, a table, autotune):
 the tuner decides where staging beats NCCL.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Callable, Optional, Sequence
 
@@ -37,26 +40,37 @@ class StagedPending(Pending):
     #: not "mpi": a wait on a plain MPI request must still poll this one, or
     #: its deferred start would never happen while that wait spins
     progress_domain = "mpi_staged"
-    __slots__ = ("backend", "entries", "start", "ready_in", "inner", "ready_out", "stream")
+    __slots__ = ("backend", "entries", "start", "stream", "submitted", "ready_in", "inner", "ready_out",
+                 "cancelled")
 
-    def __init__(self, backend: "StagedMPIBackend", entries: Sequence[Entry],
-                 start: Callable[..., Pending], ready_in, stream):
+    def __init__(self, backend: "StagedMPIBackend", entries: Sequence[Entry], start: Callable[[], Pending],
+                 stream=None):
         self.backend, self.entries, self.start = backend, entries, start
-        self.ready_in, self.stream = ready_in, stream  # copy-in event, the caller's stream (CUDA)
+        self.stream = stream  # CUDA: the caller's stream, and an event at the op's place in it
+        self.submitted = None
+        if stream is not None:
+            self.submitted = torch.cuda.Event()
+            self.submitted.record(stream)
+        self.ready_in = True  # or the copy-in's event
         self.inner: Optional[Pending] = None
         self.ready_out = None
+        self.cancelled = False
 
     def test(self) -> bool:
-        self.backend.start_ready()
         if self.inner is None:
-            return False
+            self.backend.start_ready()
+            if self.inner is None:
+                return self.cancelled  # withdrawn before it started
         if self.ready_out is None:
             if not self.inner.test():
                 return False
-            self.ready_out = self.backend.copy_out(self.entries, self.stream)
+            if self.cancelled:  # the buffers hold nothing of the op's: copy nothing back
+                return True
+            self.ready_out = self.backend.copy_out(self)
         return self.ready_out is True or self.ready_out.query()
 
     def cancel(self) -> None:
+        self.cancelled = True
         if self.inner is not None:
             self.inner.cancel()
         else:
@@ -81,7 +95,8 @@ class StagedMPIBackend(MPIBackend):
         super().__init__(ctx)
         self.devices = type(self).devices  # (MPIBackend adds cuda when the MPI is CUDA-aware)
         self.queue: deque[StagedPending] = deque()  # submitted, not started: in submission order
-        self.side: dict[torch.device, torch.cuda.Stream] = {}
+        self.lock = threading.Lock()  # the queue: submitting threads and the engine's helper threads
+        self.side: dict[torch.device, tuple] = {}  # per device: (copy-in stream, copy-back stream)
 
     def version(self) -> str:
         return super().version() + " (host-staged)"
@@ -100,73 +115,86 @@ class StagedMPIBackend(MPIBackend):
         hosts = iter(e[1] for e in entries)
         args = [None if t is None else next(hosts) for t, _, _ in tensors]
         stream = torch.cuda.current_stream(entries[0][0].device) if entries and entries[0][0].is_cuda else None
-        pending = StagedPending(self, entries, lambda: start(*args), self.copy_in(entries, stream), stream)
-        self.queue.append(pending)
-        self.start_ready()
+        pending = StagedPending(self, entries, lambda: start(*args), stream)
+        with self.lock:
+            pending.ready_in = self.copy_in(pending)
+            self.queue.append(pending)
+            self._start_ready()
         return pending
 
     def start_ready(self) -> None:
+        with self.lock:
+            self._start_ready()
+
+    def _start_ready(self) -> None:
         """Start the queued ops whose inputs are on the host, oldest first,
-        stopping at the first that is not ready (so starts keep their order)."""
+        stopping at the first that is not ready (so starts keep their order
+        on every rank). A failure is the failing op's own."""
         queue = self.queue
-        while queue and (queue[0].ready_in is True or queue[0].ready_in.query()):
-            pending = queue.popleft()
+        while queue:
+            head = queue[0]
             try:
-                pending.inner = pending.start()
-            except Exception as exc:  # the op's own failure, raised by its own work
-                pending.inner = _Failed(exc)
+                if not (head.ready_in is True or head.ready_in.query()):
+                    return
+                head.inner = head.start()
+            except Exception as exc:
+                head.inner = _Failed(exc)
+            queue.popleft()
 
     def withdraw(self, pending: StagedPending) -> None:
         """Drop a queued op that missed its deadline before it started."""
-        try:
-            self.queue.remove(pending)
-        except ValueError:
-            pass
+        with self.lock:
+            try:
+                self.queue.remove(pending)
+            except ValueError:
+                pass
 
-    def _side(self, device: torch.device) -> "torch.cuda.Stream":
-        stream = self.side.get(device)
-        if stream is None:
-            stream = self.side[device] = torch.cuda.Stream(device)
-        return stream
+    def _streams(self, device: torch.device) -> tuple:
+        streams = self.side.get(device)
+        if streams is None:  # two: a copy back never queues behind later ops' copies in
+            streams = self.side[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return streams
 
-    def copy_in(self, entries: Sequence[Entry], stream):
-        """Copy the inputs to their host buffers: True when done, else the
-        side stream's event marking it (queued after ``stream``'s work)."""
+    def copy_in(self, pending: StagedPending):
+        """Copy the inputs to their host buffers: True when done (or none),
+        else the event marking it, queued after the caller's stream's work."""
+        copies = [(t, host) for t, host, into, _ in pending.entries if into]
         with torch.no_grad():
-            if stream is None:
-                for t, host, into, _ in entries:
-                    if into:
-                        host.copy_(t)
+            if not copies:
                 return True
-            side = self._side(stream.device)
-            side.wait_stream(stream)
+            if pending.submitted is None:
+                for t, host in copies:
+                    host.copy_(t)
+                return True
+            side = self._streams(copies[0][0].device)[0]
+            side.wait_event(pending.submitted)
             with torch.cuda.stream(side):
-                for t, host, into, _ in entries:
-                    if into:
-                        host.copy_(t, non_blocking=True)
-                        t.record_stream(side)  # the allocator must not reuse it before the copy ran
+                for t, host in copies:
+                    host.copy_(t, non_blocking=True)
+                    t.record_stream(side)  # the allocator must not reuse it before the copy ran
                 event = torch.cuda.Event()
                 event.record(side)
             return event
 
-    def copy_out(self, entries: Sequence[Entry], stream):
+    def copy_out(self, pending: StagedPending):
         """Copy the outputs back to the device: True when done, else the event
-        marking it, which the caller's ``stream`` also waits for."""
+        marking it (after the caller's work queued before the op, which may
+        still use those tensors); the caller's stream waits for it."""
+        copies = [(t, host) for t, host, _, back in pending.entries if back]
         with torch.no_grad():
-            if stream is None:
-                for t, host, _, back in entries:
-                    if back:
-                        t.copy_(host)
+            if pending.submitted is None or not copies:
+                for t, host in copies:
+                    t.copy_(host)
                 return True
-            side = self._side(stream.device)
+            side = self._streams(copies[0][0].device)[1]
+            side.wait_event(pending.submitted)
             with torch.cuda.stream(side):
-                for t, host, _, back in entries:
-                    if back:
-                        t.copy_(host, non_blocking=True)
-                        t.record_stream(side)
+                for t, host in copies:
+                    t.copy_(host, non_blocking=True)
+                    t.record_stream(side)
                 event = torch.cuda.Event()
                 event.record(side)
-            stream.wait_event(event)
+            pending.stream.wait_event(event)
             return event
 
     # -- operations: (tensor, copy in, copy back) per buffer ---------------------------

@@ -210,6 +210,7 @@ class CostModel:
     """Fits per (op, backend) plus an optional tuning table for the choice."""
     fits: dict = field(default_factory=dict)  # (op, backend) -> Fit
     table: object = None  # mcrdl.TuningTable or None
+    device: Optional[str] = None  # the measured tensors' device type (bench metadata), None: built-in values
     table_device: str = "cpu"  # whose rules of the table decide
     source: str = ""
     notes: list = field(default_factory=list)
@@ -251,7 +252,8 @@ class CostModel:
                              f"got {shown(group)}")
         for other, _, m in sweeps[1:]:
             for key, got, want in (("world_size", m.get("world_size"), group),
-                                   ("mode", mode_of(m), mode_of(meta))):
+                                   ("mode", mode_of(m), mode_of(meta)),
+                                   ("device", m.get("device", "cpu"), meta.get("device", "cpu"))):
                 if got != want:
                     raise ValueError(f"{other}: metadata.{key}: {shown(got)} differs from {path}'s "
                                      f"{shown(want)}; sweeps combined must match")
@@ -290,7 +292,7 @@ class CostModel:
         hosts = meta.get("hosts")
         src = (f"fitted from {label if len(sweeps) == 1 else label + ', median per size'} ({group} ranks"
                + (f" on {', '.join(hosts)}" if hosts else "") + f", {mode_of(meta)} calls)")
-        return cls(fits, source=src, notes=notes)
+        return cls(fits, source=src, notes=notes, device=meta.get("device", "cpu"))
 
     def add_declared(self, alpha_beta: dict) -> None:
         """Per-step alpha/bandwidth declared per backend (config ``alpha_beta``):
@@ -303,15 +305,15 @@ class CostModel:
 
     def load_table(self, path: str) -> None:
         """Use a tuning table for the choice (``TuningTable.lookup``); the
-        backends it names count as known. The rules used are the table's only
-        device's, else its ``cpu`` rules."""
+        backends it names count as known. The rules used are the fitted bench's
+        device's, else the table's only device's, else its ``cpu`` rules."""
         from ..tuning import TuningTable, TuningTableError, named_backends, read_json
 
         doc = read_json(path, "tuning table", TuningTableError)
         names = {b for _, b in self.fits} | {"mpi", "nccl", "gloo"} | named_backends(doc)
         self.table = TuningTable.from_dict(doc, known=names, source=path)
         devices = self.table.devices()
-        self.table_device = devices[0] if len(devices) == 1 else "cpu"
+        self.table_device = self.device or (devices[0] if len(devices) == 1 else "cpu")
 
     def calibrate(self, docs, label: str = "logged calls") -> None:
         """Correct every (op, backend) that a logger export (``load_log``'s

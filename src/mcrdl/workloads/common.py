@@ -302,8 +302,10 @@ def parse_modes(spec: str, workload: Workload, baseline_backend: str) -> List[tu
 def coarse_map_from_table(doc: dict, ops: Sequence[str], world: int) -> Dict[str, str]:
     """Per op class: the backend the table picks for most of its measured sizes
     (ties: the one picked for the largest size). Coarse mixing = one backend per
-    operation, chosen from the same measurements as the tuned table."""
-    rules = doc.get("rules", {})
+    operation, chosen from the same measurements as the tuned table. ``doc``:
+    a table document in the current format (``TuningTable.to_dict()``); the
+    workloads' tensors are on the CPU, so its cpu rules decide."""
+    rules = doc.get("rules", {}).get("cpu", {})
     sizes = sorted(doc.get("metadata", {}).get("sweep", {}).get("sizes") or [])
     out = {}
     for op in ops:
@@ -392,7 +394,7 @@ def _quick_tune(ops: Sequence[str], out: str) -> None:
 
     d = os.path.dirname(os.path.abspath(out))
     os.makedirs(d, exist_ok=True)
-    rc = cli.main(["tune", "--quick", "--ops", ",".join(ops), "--out", out])
+    rc = cli.main(["tune", "--quick", "--device", "cpu", "--ops", ",".join(ops), "--out", out])
     if rc != 0:
         raise RuntimeError(f"mcrdl tune exited {rc}")
 
