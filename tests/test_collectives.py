@@ -50,3 +50,8 @@ def test_host_staging_on_cpu(nprocs):
 def test_backend_live_on_some_ranks_is_left_out_everywhere():
     out = run_job(2, "live_agreement_job.py", timeout=120)
     assert out.count("backends agreed") == 2, out[-3000:]
+    # a backend whose start raises on one rank: every rank's init fails, none waits
+    out = run_job(2, "live_agreement_job.py", "fail", timeout=120)
+    assert "init failed: OSError: device lost" in out, out[-3000:]
+    assert "init failed: RuntimeError: mcrdl: a backend failed to start on rank 1: OSError: device lost" in out, \
+        out[-3000:]

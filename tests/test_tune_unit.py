@@ -339,6 +339,17 @@ def test_gains_one_backend_everywhere():
     assert g["gloo"] == (pytest.approx(math.sqrt(10 * 2)), pytest.approx(10.0))
 
 
+def test_gains_use_the_sweeps_group_size_in_a_merged_table():
+    """After --merge, the table may list other group sizes first."""
+    results = sweep("all_to_all", {8: {"mpi": 5, "gloo": 50}, 1024: {"mpi": 6, "gloo": 12}})
+    doc = tune.make_table(results, BACKENDS, 2, META)
+    doc["rules"]["cpu"]["all_to_all"] = {"8": [{"max_bytes": None, "backend": "gloo"}],
+                                         **doc["rules"]["cpu"]["all_to_all"]}
+    assert tune.gains(results, doc, BACKENDS, "cpu", 2)["all_to_all"]["mpi"] == (pytest.approx(1.0),
+                                                                                 pytest.approx(1.0))
+    assert tune.gains(results, doc, BACKENDS)["all_to_all"]["mpi"][0] < 1  # (the first listed: gloo)
+
+
 def test_gains_below_one_when_hysteresis_keeps_a_slower_backend():
     results = sweep("all_reduce", {4: {"mpi": 20, "gloo": 10}, 64: {"mpi": 100, "gloo": 103}})
     doc = tune.make_table(results, BACKENDS, 2, META)

@@ -77,6 +77,7 @@ def _check_same_selection(rt: Runtime) -> None:
     — live backends, default, static map, tuning table, debug — across the world."""
     table = rt.selector.table
     config = {"live": sorted(rt.backends), "default": rt.default_backend,
+              "device_defaults": rt.selector.device_defaults,
               "static": rt.selector.static, "debug": rt.debug,
               "autotune": None if rt.autotune is None else [rt.autotune.calls, rt.autotune.warmup,
                                                             rt.autotune.drift],

@@ -286,7 +286,7 @@ def _cmd_tune(args, argv) -> int:
             for line in tune.crossovers(table):
                 print("  " + line)
             print("expected speed-up of the table over each single backend (geomean / max over sizes):")
-            for op, per in tune.gains(results, table, backends, device).items():
+            for op, per in tune.gains(results, table, backends, device, world).items():
                 print(f"  {op:15s} " + "  ".join(f"vs {b}: {g:.2f}x / {m:.2f}x" for b, (g, m) in per.items()))
             if args.results:
                 bench.write_json(args.results, results, meta)

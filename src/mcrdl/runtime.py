@@ -271,16 +271,23 @@ class Runtime:
                                      self._peer_died, timeout)
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store)
+        failed = None  # a backend's start raised: every rank must hear of it, not wait below
         for name in requested:
             reason = REGISTRY[name].unavailable_reason(ctx)
             if reason is None:
-                self.backends[name] = REGISTRY[name](ctx)
+                try:
+                    self.backends[name] = REGISTRY[name](ctx)
+                except Exception as exc:
+                    failed = exc
+                    break
             else:
                 self.unavailable[name] = reason
                 if backends is not None:
                     warnings.warn(f"mcrdl: backend {name!r} requested but not started: {reason}")
         if self.mpi_comm is not None and self.world_size > 1:
-            self._keep_backends_live_everywhere()
+            self._keep_backends_live_everywhere(failed)
+        if failed is not None:
+            raise failed
         if not self.backends:
             raise RuntimeError("mcrdl: no backend could start: " + "; ".join(
                 f"{n}: {r}" for n, r in self.unavailable.items()))
@@ -308,11 +315,18 @@ class Runtime:
                                       lambda data: self.control_allgather(self.world, data),
                                       None if self.autotune is None else self.autotune.report)
 
-    def _keep_backends_live_everywhere(self) -> None:
+    def _keep_backends_live_everywhere(self, failed: Optional[BaseException]) -> None:
         """Drop the backends that did not start on every rank (say a GPU on some
         nodes only): making a group is collective for some of them (MPI), so
-        one live on some ranks only would hang the first ``new_group``."""
-        everywhere = self.mpi_comm.allgather(sorted(self.backends))
+        one live on some ranks only would hang the first ``new_group``. When a
+        backend's start raised on another rank (``failed`` here), raise too."""
+        report = None if failed is None else f"{type(failed).__name__}: {failed}"
+        gathered = self.mpi_comm.allgather((sorted(self.backends), report))
+        errors = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+        if errors and failed is None:
+            raise RuntimeError("mcrdl: a backend failed to start on " + "; ".join(
+                f"rank {r}: {e}" for r, e in errors))
+        everywhere = [names for names, _ in gathered]
         for name in [n for n in self.backends if not all(n in names for names in everywhere)]:
             missing = [r for r, names in enumerate(everywhere) if name not in names]
             self.backends.pop(name).shutdown()

@@ -132,10 +132,11 @@ def crossovers(table: dict) -> list[str]:
     return lines
 
 
-def gains(results: Sequence[Result], table: dict, backends: Sequence[str], device: str = "cpu") -> dict:
-    """Expected speed-up of the table's ``device`` rules over each single
-    backend, per op: geometric mean and max of time(single) / time(table's
-    choice) over sizes."""
+def gains(results: Sequence[Result], table: dict, backends: Sequence[str], device: str = "cpu",
+          world: Optional[int] = None) -> dict:
+    """Expected speed-up of the table's ``device`` rules (of group size
+    ``world``; None: the first listed) over each single backend, per op:
+    geometric mean and max of time(single) / time(table's choice) over sizes."""
     import math
 
     times: dict[str, dict[int, dict[str, float]]] = {}
@@ -145,7 +146,7 @@ def gains(results: Sequence[Result], table: dict, backends: Sequence[str], devic
     out = {}
     for op, by_size in times.items():
         by_group = table["rules"][device][OP_CLASS[op]]
-        rules = by_group[next(iter(by_group))]
+        rules = by_group[str(world) if str(world) in by_group else next(iter(by_group))]
         per_backend = {}
         for b in backends:
             ratios = []

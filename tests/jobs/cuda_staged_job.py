@@ -74,5 +74,18 @@ for i in range(3):
     work.wait()
     check(bool((x.cpu() == sum(r + 1 for r in range(world))).all()), "staged op ran before its producer", x[:4])
     check(i == 0 or submit_s < SLEEP_S / 2, f"submitting blocked the caller for {submit_s:.3f} s")  # (warm)
+# Write after read: a clone of dst queued behind a GPU sleep must see dst's old
+# values, though the receive into dst completes on the host meanwhile (its copy
+# back waits for the work queued before it)
+if world > 1:
+    n = 1 << 16
+    dst = torch.full((n,), -1.0, device=dev)
+    torch.cuda._sleep(int(SLEEP_S * cycles_per_s))
+    before = dst.clone()
+    recv = mcrdl.irecv(dst, (rank - 1) % world, tag=8, backend=NAME)
+    mcrdl.isend(torch.full((n,), float(rank), device=dev), (rank + 1) % world, tag=8, backend=NAME).wait()
+    recv.wait()
+    check(bool((before.cpu() == -1).all()), "the copy back overwrote dst before earlier work read it")
+    check(bool((dst.cpu() == float((rank - 1) % world)).all()), "staged receive after the sleep")
 mcrdl.destroy_process_group()
 print(f"rank {rank}: CUDA staged OK")

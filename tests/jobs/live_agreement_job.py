@@ -1,6 +1,8 @@
 """A backend that starts on some ranks only (as mpi_staged where only some
 hosts have a GPU) and whose groups are MPI collectives: it is left out on every
-rank, instead of hanging or crossing the first new_group."""
+rank, instead of hanging or crossing the first new_group. With ``fail``: its
+start raises on rank 1, and every rank's init_process_group fails at once."""
+import sys
 import warnings
 
 import torch
@@ -18,6 +20,24 @@ class MPIOnRankZero(MPIBackend):
     def unavailable_reason(cls, ctx):
         return None if ctx.rank == 0 else "no accelerator on this rank"
 
+
+class RaisesOnRankOne(MPIBackend):
+    name = "mpi_raises"
+
+    def __init__(self, ctx):
+        if ctx.rank == 1:
+            raise OSError("device lost")
+        super().__init__(ctx)
+
+
+if sys.argv[1:] == ["fail"]:
+    mcrdl.register_backend(RaisesOnRankOne)
+    try:
+        mcrdl.init_process_group(timeout=30)
+        print(f"rank {mcrdl.get_rank()}: init did not fail")
+    except Exception as exc:
+        print(f"init failed: {type(exc).__name__}: {exc}")
+    sys.exit(0)
 
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

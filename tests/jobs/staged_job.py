@@ -32,29 +32,35 @@ class StagedOnCPU(StagedMPIBackend):
 
 
 class Lands:
-    """A copy in that has landed after ``polls`` queries (a CUDA event's query)."""
+    """A copy in that has landed after ``polls`` queries (a CUDA event's query);
+    ``fails``: its query raises, as a CUDA error would."""
+    not_yet = 0  # queries answered "not landed" (deferred starts)
 
-    def __init__(self, polls):
-        self.left = polls
+    def __init__(self, polls, fails=False):
+        self.left, self.fails = polls, fails
 
     def query(self):
+        if self.fails:
+            raise RuntimeError("the copy to the host failed")
         self.left -= 1
+        Lands.not_yet += self.left >= 0
         return self.left < 0
 
 
 @mcrdl.register_backend
 class LateCopies(StagedOnCPU):
     """Copies in land after 0-6 polls, in a different pattern on each rank;
-    ``never`` makes the next one never land."""
+    ``never`` makes the next one never land, ``fail`` the next one fail."""
     name = "mpi_staged_late"
-    count, never = 0, False
+    count, never, fail = 0, False, False
 
     def copy_in(self, pending):
         super().copy_in(pending)  # (copies at once: CPU)
         self.count += 1
         polls = 10 ** 9 if self.never else (self.count * (3 if mcrdl.get_rank() % 2 else 5)) % 7
-        self.never = False
-        return Lands(polls)
+        lands = Lands(polls, self.fail)
+        self.never = self.fail = False
+        return lands
 
 
 mcrdl.init_process_group(timeout=60)
@@ -115,7 +121,7 @@ if world > 1:
 small = mcrdl.new_group(list(range(world)), timeout=2)
 engine = mcrdl.api._rt().engine
 if world > 1 and rank == 1:
-    t = torch.full((4,), 5.0)
+    t = torch.full((4,), 12345.5)
     try:
         mcrdl.recv(t, 0, group=small, tag=77, backend=NAME)
         check(False, "a receive with no sender completed")
@@ -123,7 +129,17 @@ if world > 1 and rank == 1:
         check(NAME in str(exc), "timeout names the backend:", exc)
     for _ in range(100):
         engine.poll()
-    check(torch.equal(t, torch.full((4,), 5.0)), "a cancelled receive wrote its tensor:", t)
+    check(torch.equal(t, torch.full((4,), 12345.5)), "a cancelled receive wrote its tensor:", t)
+    check(not engine._abandoned, "a cancelled receive is still polled:", engine._abandoned)
+    # the same from any source (MPI reports no sender for a cancelled receive)
+    try:
+        mcrdl.recv(t, None, group=small, tag=78, backend=NAME)
+        check(False, "a receive from any source with no sender completed")
+    except mcrdl.CommTimeoutError:
+        pass
+    for _ in range(100):
+        engine.poll()
+    check(not engine._abandoned, "a cancelled any-source receive is still polled:", engine._abandoned)
 mcrdl.barrier()
 
 # deferred starts: copies in land late, differently per rank and op; collectives of
@@ -147,7 +163,19 @@ for rnd in range(20):
         check(torch.equal(x, want), "deferred start out of order: round", rnd, "op", i)
 stop.set()
 poller.join()
-check(mcrdl.api._rt().backends[LATE].count > 100, "copies in were deferred")
+check(Lands.not_yet > 100, "starts were not deferred:", Lands.not_yet)
+# a copy in that fails is its own op's failure; the op queued behind it still runs
+be = mcrdl.api._rt().backends[LATE]
+be.fail = True
+failing = be.send(late.handles[LATE], torch.ones(3), peer if world > 1 else 0, 9)
+behind = be.barrier(late.handles[LATE])
+try:
+    failing.test()
+    check(False, "a failed copy in went unreported")
+except RuntimeError as exc:
+    check("the copy to the host failed" in str(exc), exc)
+while not behind.test():
+    pass
 # a send whose copy in never lands misses its deadline, is withdrawn (never
 # started: nothing to cancel in MPI), and is not kept (no receive is posted)
 quick = mcrdl.new_group(list(range(world)), timeout=1)

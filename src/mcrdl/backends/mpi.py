@@ -113,10 +113,10 @@ class MPIAnySourcePending(MPIP2PPending):
         self.status = status
         self.src = -1
 
-    def test(self) -> bool:
-        if self.src < 0 and self.req.Test(self.status):
-            self.src = self.status.Get_source()
-        return self.src >= 0
+    def test(self) -> bool:  # src: -1 pending, -2 cancelled (no sender), else the sender
+        if self.src == -1 and self.req.Test(self.status):
+            self.src = -2 if self.status.Is_cancelled() else self.status.Get_source()
+        return self.src != -1
 
     def block(self, deadline: float) -> bool:
         return self.test() or spin_until(self.test, deadline)

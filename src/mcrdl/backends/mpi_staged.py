@@ -70,11 +70,11 @@ class StagedPending(Pending):
         return self.ready_out is True or self.ready_out.query()
 
     def cancel(self) -> None:
+        """Withdraw it: from the queue if it has not started (under the lock,
+        so it cannot start meanwhile), else from MPI (a point-to-point op)."""
         self.cancelled = True
-        if self.inner is not None:
+        if not self.backend.withdraw(self):
             self.inner.cancel()
-        else:
-            self.backend.withdraw(self)
 
     def source(self) -> int:
         return self.inner.source()
@@ -141,13 +141,14 @@ class StagedMPIBackend(MPIBackend):
                 head.inner = _Failed(exc)
             queue.popleft()
 
-    def withdraw(self, pending: StagedPending) -> None:
-        """Drop a queued op that missed its deadline before it started."""
+    def withdraw(self, pending: StagedPending) -> bool:
+        """Drop ``pending`` from the queue if it has not started; False when it has."""
         with self.lock:
-            try:
+            if pending.inner is not None:
+                return False
+            if pending in self.queue:  # (not after an earlier withdrawal)
                 self.queue.remove(pending)
-            except ValueError:
-                pass
+            return True
 
     def _streams(self, device: torch.device) -> tuple:
         streams = self.side.get(device)

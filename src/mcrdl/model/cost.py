@@ -314,6 +314,9 @@ class CostModel:
         self.table = TuningTable.from_dict(doc, known=names, source=path)
         devices = self.table.devices()
         self.table_device = self.device or (devices[0] if len(devices) == 1 else "cpu")
+        if self.table_device not in devices:
+            self.notes.append(f"{path}: no rules for {self.table_device} tensors (it has "
+                              f"{', '.join(devices) or 'none'}): the fastest fit decides")
 
     def calibrate(self, docs, label: str = "logged calls") -> None:
         """Correct every (op, backend) that a logger export (``load_log``'s
