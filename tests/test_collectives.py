@@ -47,6 +47,16 @@ def test_host_staging_on_cpu(nprocs):
     assert out.count(": OK ") == nprocs and "['mpi_staged_cpu']" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_stream_ordered_starts_on_cpu(nprocs):
+    """The mpi backend's deferred starts (its path for CUDA tensors on a
+    CUDA-aware MPI): late device ops, host ops queued behind them, send order,
+    then every op (float64 stands for CUDA tensors: the events need a GPU)."""
+    out = run_job(nprocs, "ordered_job.py", timeout=600)
+    assert out.count("ordering checks OK") == nprocs, out[-3000:]
+    assert out.count(": OK ") == nprocs and "['mpi_ordered_cpu']" in out, out[-3000:]
+
+
 def test_backend_live_on_some_ranks_is_left_out_everywhere():
     out = run_job(2, "live_agreement_job.py", timeout=120)
     assert out.count("backends agreed") == 2, out[-3000:]

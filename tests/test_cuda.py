@@ -21,4 +21,14 @@ def test_nccl_and_order_against_cpu_backends(nprocs):
 def test_host_staged_mpi_on_cuda_tensors(nprocs):
     """Ranks may share a GPU here: staging goes through host memory."""
     out = run_job(nprocs, "cuda_staged_job.py", timeout=300)
-    assert out.count("CUDA staged OK") == nprocs
+    assert out.count("CUDA mpi_staged OK") == nprocs
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_cuda_aware_mpi_in_stream_order(nprocs):
+    """The mpi backend on CUDA tensors when the MPI is CUDA-aware: started
+    after an event on the caller's stream, never a stream synchronize."""
+    out = run_job(nprocs, "cuda_staged_job.py", "mpi", timeout=300)
+    if "SKIP" in out:
+        pytest.skip("the MPI library is not CUDA-aware")
+    assert out.count("CUDA mpi OK") == nprocs

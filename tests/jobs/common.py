@@ -32,3 +32,19 @@ def reduced(ranks, numel, dtype, op, salt=0):
 def check(cond, *msg):
     if not cond:
         raise AssertionError(" ".join(map(str, msg)))
+
+
+class Lands:
+    """Stands for a CUDA event (no GPU here): complete after ``polls``
+    queries; ``fails``: its query raises, as a CUDA error would."""
+    not_yet = 0  # queries answered "not complete" (deferred starts)
+
+    def __init__(self, polls, fails=False):
+        self.left, self.fails = polls, fails
+
+    def query(self):
+        if self.fails:
+            raise RuntimeError("the copy to the host failed")
+        self.left -= 1
+        Lands.not_yet += self.left >= 0
+        return self.left < 0

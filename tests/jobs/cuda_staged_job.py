@@ -1,6 +1,9 @@
-"""Host-staged MPI on CUDA tensors (ranks may share one GPU): every op against
-local references, and stream order: a staged op reads what the kernels queued
-before it wrote, without blocking the calling thread until they ran."""
+"""MPI on CUDA tensors (ranks may share one GPU), host-staged (``mpi_staged``,
+the default) or direct on a CUDA-aware MPI (argument ``mpi``): every op against
+local references, and stream order: an op reads what the kernels queued
+before it wrote, without blocking the calling thread until they ran.
+Usage: cuda_staged_job.py [backend]"""
+import sys
 import time
 
 import torch
@@ -8,12 +11,16 @@ import torch
 import mcrdl
 from common import check, reduced, value
 
-NAME = "mpi_staged"
+NAME = sys.argv[1] if len(sys.argv) > 1 else "mpi_staged"
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 dev = torch.device("cuda", mcrdl.get_local_rank() % torch.cuda.device_count())
 torch.cuda.set_device(dev)
 check(mcrdl.available_backends()[NAME] == "live", mcrdl.available_backends())
+if NAME not in mcrdl.live_backends("cuda"):
+    print(f"rank {rank}: SKIP {NAME} takes no CUDA tensors here (MPI is not CUDA-aware)")
+    mcrdl.destroy_process_group()
+    sys.exit(0)
 root = world - 1
 on = lambda r, n, dtype, **kw: value(r, n, dtype, **kw).to(dev)
 for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int64):
@@ -58,10 +65,10 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int64):
                 check(torch.equal(dst.cpu(), value((rank - 1) % world, n, dtype)), tag, "isend/irecv")
 mcrdl.barrier(backend=NAME)
 
-# Stream order: a kernel queued behind a 0.2 s GPU sleep writes x; the staged
-# all-reduce submitted right after must reduce what it wrote (its copy waits
-# for the stream through an event), and the submitting thread must not wait
-# for the sleep (no host-blocking synchronize).
+# Stream order: a kernel queued behind a 0.2 s GPU sleep writes x; the
+# all-reduce submitted right after must reduce what it wrote (it starts, or its
+# copy runs, after an event on the stream), and the submitting thread must not
+# wait for the sleep (no host-blocking synchronize).
 SLEEP_S = 0.2
 cycles_per_s = torch.cuda.get_device_properties(dev).clock_rate * 1e3  # kHz -> cycles/s
 for i in range(3):
@@ -72,11 +79,11 @@ for i in range(3):
     work = mcrdl.all_reduce(x, backend=NAME, async_op=True)
     submit_s = time.perf_counter() - start
     work.wait()
-    check(bool((x.cpu() == sum(r + 1 for r in range(world))).all()), "staged op ran before its producer", x[:4])
+    check(bool((x.cpu() == sum(r + 1 for r in range(world))).all()), "the op ran before its producer", x[:4])
     check(i == 0 or submit_s < SLEEP_S / 2, f"submitting blocked the caller for {submit_s:.3f} s")  # (warm)
 # Write after read: a clone of dst queued behind a GPU sleep must see dst's old
-# values, though the receive into dst completes on the host meanwhile (its copy
-# back waits for the work queued before it)
+# values, though the peer's send completes on the host meanwhile (the receive,
+# or its copy back, waits for the work queued before it)
 if world > 1:
     n = 1 << 16
     dst = torch.full((n,), -1.0, device=dev)
@@ -86,6 +93,6 @@ if world > 1:
     mcrdl.isend(torch.full((n,), float(rank), device=dev), (rank + 1) % world, tag=8, backend=NAME).wait()
     recv.wait()
     check(bool((before.cpu() == -1).all()), "the copy back overwrote dst before earlier work read it")
-    check(bool((dst.cpu() == float((rank - 1) % world)).all()), "staged receive after the sleep")
+    check(bool((dst.cpu() == float((rank - 1) % world)).all()), "receive after the sleep")
 mcrdl.destroy_process_group()
-print(f"rank {rank}: CUDA staged OK")
+print(f"rank {rank}: CUDA {NAME} OK")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import mcrdl
-from common import check, reduced, value
+from common import Lands, check, reduced, value
 from mcrdl.backends.mpi import MPIBackend
 from mcrdl.backends.mpi_staged import StagedMPIBackend, StagedPending
 
@@ -29,22 +29,6 @@ class StagedOnCPU(StagedMPIBackend):
     @classmethod
     def unavailable_reason(cls, ctx):
         return MPIBackend.unavailable_reason(ctx)
-
-
-class Lands:
-    """A copy in that has landed after ``polls`` queries (a CUDA event's query);
-    ``fails``: its query raises, as a CUDA error would."""
-    not_yet = 0  # queries answered "not landed" (deferred starts)
-
-    def __init__(self, polls, fails=False):
-        self.left, self.fails = polls, fails
-
-    def query(self):
-        if self.fails:
-            raise RuntimeError("the copy to the host failed")
-        self.left -= 1
-        Lands.not_yet += self.left >= 0
-        return self.left < 0
 
 
 @mcrdl.register_backend
@@ -164,6 +148,16 @@ for rnd in range(20):
 stop.set()
 poller.join()
 check(Lands.not_yet > 100, "starts were not deferred:", Lands.not_yet)
+# a wait on a receive that started must start the send queued behind it (the
+# peer's receive waits for that send): no other thread polls now
+if world > 1:
+    for rnd in range(10):
+        got = torch.empty(5)
+        receive = mcrdl.irecv(got, (rank - 1) % world, group=late, tag=4, backend=LATE)
+        send = mcrdl.isend(value(rank, 5, torch.float32, salt=rnd), peer, group=late, tag=4, backend=LATE)
+        receive.wait()
+        send.wait()
+        check(torch.equal(got, value((rank - 1) % world, 5, torch.float32, salt=rnd)), "receive then send", rnd)
 # a copy in that fails is its own op's failure; the op queued behind it still runs
 be = mcrdl.api._rt().backends[LATE]
 be.fail = True

@@ -2,23 +2,33 @@
 
 CPU tensors are handed to MPI zero-copy as raw buffers (address, count,
 datatype): no ``.numpy()``, no DLPack round trip, no pickling. CUDA tensors go
-through DLPack only when the MPI is CUDA-aware (:func:`cuda_support`), after
-the producing stream finished; otherwise the ``mpi_staged`` backend
+to MPI directly (through DLPack) only when the MPI is CUDA-aware
+(:func:`cuda_support`); otherwise the ``mpi_staged`` backend
 (backends/mpi_staged.py) moves them through host memory. MPI has no bfloat16 (and MPICH reduces
 float16 in software): both move as 16-bit words, and reduce in float32,
 rounded back.
+
+Stream order without blocking the host: an op on CUDA tensors is not started
+when it is called but once the work queued on the caller's stream before it
+has run (a CUDA event the progress engine polls: no stream synchronize). MPI
+matches the collectives of a communicator in the order they start, so every
+op of the backend called meanwhile, on CPU tensors too, queues behind it
+(:class:`DeferredPending`): starts keep program order on every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional, Sequence
+import threading
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..types import ReduceOp
 from ..work import DONE, Pending, busy_seconds, spin_until
 from . import native as native_path
-from .base import ANY_SOURCE, Backend, Context
+from .base import ANY_SOURCE, OPS, Backend, Context
 
 
 def mpi_launched() -> bool:
@@ -125,8 +135,60 @@ class MPIAnySourcePending(MPIP2PPending):
         return self.src
 
 
+class DeferredPending(Pending):
+    """An op started later: once ``ready`` (True, or an object whose
+    ``query()`` says so: a CUDA event) and every op submitted before it on its
+    backend has started (:meth:`MPIBackend.defer`). Polling it starts it."""
+
+    #: not "mpi": a wait on a plain MPI request must still poll this one, or
+    #: its start would never happen while that wait spins
+    progress_domain = "mpi_deferred"
+    __slots__ = ("backend", "start", "ready", "inner", "cancelled")
+
+    def __init__(self, backend: "MPIBackend", start: Callable[[], Pending]):
+        self.backend, self.start = backend, start
+        self.ready: Any = True
+        self.inner: Optional[Pending] = None
+        self.cancelled = False
+
+    def test(self) -> bool:
+        if self.backend.queue:  # whichever op is waited for starts those behind it: a wait
+            self.backend.start_ready()  # on a receive must start the send its peer waits for
+        if self.inner is None:
+            return self.cancelled  # withdrawn before it started
+        return self.completed()
+
+    def completed(self) -> bool:
+        """Has the started op completed?"""
+        return self.inner.test()
+
+    def cancel(self) -> None:
+        """Withdraw it: from the queue if it has not started (under the lock,
+        so it cannot start meanwhile), else from MPI (a point-to-point op)."""
+        self.cancelled = True
+        if not self.backend.withdraw(self):
+            self.inner.cancel()
+
+    def source(self) -> int:
+        return self.inner.source()
+
+
+class _Failed(Pending):
+    """A deferred op whose MPI call raised when it was started."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def test(self) -> bool:
+        raise self.error
+
+
 class MPIBackend(Backend):
     name = "mpi"
+    #: CUDA tensors go to a CUDA-aware MPI as they are (False: a subclass moves them itself)
+    direct_cuda = True
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -138,7 +200,10 @@ class MPIBackend(Backend):
         super().__init__(ctx)
         MPI = self.MPI = import_mpi()
         self.cuda_aware, self.cuda_aware_source = cuda_support()
-        self.devices = frozenset({"cpu", "cuda"} if self.cuda_aware else {"cpu"})
+        self.devices = frozenset({"cpu", "cuda"} if self.cuda_aware and self.direct_cuda else {"cpu"})
+        self.queue: deque[DeferredPending] = deque()  # submitted, not started: in submission order
+        self.lock = threading.Lock()  # the queue: submitting threads and the engine's helper threads
+        self.side: dict[torch.device, tuple] = {}  # per device: two private streams
         # Datatypes used to move bytes (every dtype) and to reduce (not bf16/bool).
         self.move_types = {
             torch.float16: MPI.UINT16_T, torch.bfloat16: MPI.UINT16_T, torch.float32: MPI.FLOAT,
@@ -161,6 +226,8 @@ class MPIBackend(Backend):
         self.native = native_path.load()
         if self.native is not None:
             self.native.set_busy(busy_seconds())
+        if "cuda" in self.devices:
+            self.order_after_streams()
 
     def version(self) -> str:
         return self.MPI.Get_library_version().splitlines()[0].strip()
@@ -186,13 +253,92 @@ class MPIBackend(Backend):
         if handle is not None:
             handle.Free()
 
+    # -- starts in stream order ------------------------------------------------------
+    def order_after_streams(self) -> None:
+        """Make every op start in stream order (module docstring): called when
+        this backend takes CUDA tensors. The ops become instance attributes
+        that defer a call with a CUDA tensor, and any call while others wait."""
+        for op in OPS:
+            run = getattr(self, op)
+            setattr(self, op, lambda h, *args, _run=run: self._in_order(_run, h, args))
+
+    def _in_order(self, run: Callable[..., Pending], h, args: tuple) -> Pending:
+        device = self.device_tensor(args)
+        if device is None and not self.queue:
+            return run(h, *args)
+        return self.defer(DeferredPending(self, lambda: run(h, *args)),
+                          lambda: True if device is None else self.stream_event(device))
+
+    @staticmethod
+    def device_tensor(args: tuple) -> Optional[torch.Tensor]:
+        """The first CUDA tensor among an op's arguments, if any."""
+        return next((a for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+
+    @staticmethod
+    def stream_event(t: torch.Tensor):
+        """An event after the work queued so far on ``t``'s current stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        return event
+
+    def defer(self, pending: DeferredPending, ready: Callable[[], Any]) -> DeferredPending:
+        """Queue ``pending`` (its ``ready`` made under the lock, so side-stream
+        work is queued in submission order too) and start what can start."""
+        with self.lock:
+            pending.ready = ready()
+            self.queue.append(pending)
+            self._start_ready()
+        return pending
+
+    def start_ready(self) -> None:
+        with self.lock:
+            self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Start the queued ops that are ready, oldest first, stopping at the
+        first that is not (so starts keep their order on every rank). A
+        failure is the failing op's own."""
+        queue = self.queue
+        while queue:
+            head = queue[0]
+            try:
+                if not (head.ready is True or head.ready.query()):
+                    return
+                head.inner = head.start()
+            except Exception as exc:
+                head.inner = _Failed(exc)
+            queue.popleft()
+
+    def withdraw(self, pending: DeferredPending) -> bool:
+        """Drop ``pending`` from the queue if it has not started; False when it has."""
+        with self.lock:
+            if pending.inner is not None:
+                return False
+            if pending in self.queue:  # (not after an earlier withdrawal)
+                self.queue.remove(pending)
+            return True
+
+    def streams(self, device: torch.device) -> tuple:
+        """Two private streams on ``device``: work into MPI's buffers, and back."""
+        pair = self.side.get(device)
+        if pair is None:
+            pair = self.side[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return pair
+
+    def _private(self, t: torch.Tensor, back: bool):
+        """Where a deferred op's own CUDA work runs, finished before MPI (or
+        the caller) sees its result; CPU: in place."""
+        if not t.is_cuda:
+            return contextlib.nullcontext()
+        return _synchronized(self.streams(t.device)[back])
+
     # -- buffers -----------------------------------------------------------------
     def _buf(self, t: torch.Tensor, types=None):
         """Zero-copy [buffer, datatype] for a contiguous tensor (mpi4py derives
-        the count, per peer for the gather/scatter families)."""
+        the count, per peer for the gather/scatter families). A CUDA tensor is
+        ready: its op started after its stream's work."""
         dt = (types or self.move_types)[t.dtype]
         if t.is_cuda:
-            torch.cuda.current_stream(t.device).synchronize()
             return [t, dt]
         return [self.MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), dt]
 
@@ -200,9 +346,10 @@ class MPIBackend(Backend):
         """Run a reduction; bf16 (no MPI type) runs in float32 and rounds back."""
         if tensors[0].dtype in self.reduce_types:
             return MPIPending(start(*[self._buf(t, self.reduce_types) for t in tensors]), *tensors)
-        wide = [t.float() for t in tensors]
+        with torch.no_grad(), self._private(tensors[0], back=False):
+            wide = [t.float() for t in tensors]
         pending = MPIPending(start(*[self._buf(w, self.reduce_types) for w in wide]), *wide)
-        return _CopyBack(pending, tensors[-1], wide[-1])
+        return _CopyBack(pending, tensors[-1], wide[-1], lambda: self._private(tensors[-1], back=True))
 
     # -- operations --------------------------------------------------------------
     def all_reduce(self, comm, tensor, op):
@@ -386,12 +533,12 @@ class _CopyBack(Pending):
 
     progress_domain = "mpi"
 
-    def __init__(self, inner: MPIPending, target: torch.Tensor, wide: torch.Tensor):
-        self.inner, self.target, self.wide = inner, target, wide
+    def __init__(self, inner: MPIPending, target: torch.Tensor, wide: torch.Tensor, where: Callable):
+        self.inner, self.target, self.wide, self.where = inner, target, wide, where  # where(): the copy's context
 
     def _copy(self, done: bool) -> bool:
         if done:
-            with torch.no_grad():
+            with torch.no_grad(), self.where():
                 self.target.copy_(self.wide)
         return done
 
@@ -400,3 +547,12 @@ class _CopyBack(Pending):
 
     def block(self, deadline: float) -> bool:
         return self._copy(self.inner.block(deadline))
+
+
+@contextlib.contextmanager
+def _synchronized(stream):
+    """Run on ``stream``, and wait for it on leaving (it holds only this work)."""
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+

@@ -7,60 +7,47 @@ copies run on two side streams (copies in, copies back), each ordered after
 the work queued on the caller's stream before the op (an event, not a
 host-blocking synchronize), with pinned buffers from torch's caching host
 allocator; the op starts when the progress engine sees the copy's event
-complete, and completes when the copy back has landed (later work on the
-caller's stream is also ordered after it). A request therefore starts after
-it is submitted, so requests start strictly in submission order (a queue per
-backend, under a lock: the engine's helper threads poll too): every rank then
-starts its collectives on a communicator in the same order, as MPI requires.
-A cancelled op (a missed deadline) copies nothing back.
+complete (the MPI backend's deferred start, in submission order:
+backends/mpi.py), and completes when the copy back has landed (later work on
+the caller's stream is also ordered after it). A cancelled op (a missed
+deadline) copies nothing back.
 
 Selectable like any backend (``backend="mpi_staged"``, a table, autotune):
 the tuner decides where staging beats NCCL.
 """
 from __future__ import annotations
 
-import threading
-from collections import deque
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from ..work import Pending
 from .base import Context
-from .mpi import MPIBackend
+from .mpi import DeferredPending, MPIBackend
 
 #: (device tensor, host buffer, copy in before the op, copy back after it)
 Entry = tuple[torch.Tensor, torch.Tensor, bool, bool]
 
 
-class StagedPending(Pending):
-    """One staged op: waiting for its inputs on the host, then its MPI
-    request, then its outputs back on the device."""
+class StagedPending(DeferredPending):
+    """One staged op: waiting for its inputs on the host (``ready``: the copy
+    in), then its MPI request, then its outputs back on the device."""
 
-    #: not "mpi": a wait on a plain MPI request must still poll this one, or
-    #: its deferred start would never happen while that wait spins
     progress_domain = "mpi_staged"
-    __slots__ = ("backend", "entries", "start", "stream", "submitted", "ready_in", "inner", "ready_out",
-                 "cancelled")
+    __slots__ = ("entries", "stream", "submitted", "ready_out")
 
     def __init__(self, backend: "StagedMPIBackend", entries: Sequence[Entry], start: Callable[[], Pending],
                  stream=None):
-        self.backend, self.entries, self.start = backend, entries, start
+        super().__init__(backend, start)
+        self.entries = entries
         self.stream = stream  # CUDA: the caller's stream, and an event at the op's place in it
         self.submitted = None
         if stream is not None:
             self.submitted = torch.cuda.Event()
             self.submitted.record(stream)
-        self.ready_in = True  # or the copy-in's event
-        self.inner: Optional[Pending] = None
         self.ready_out = None
-        self.cancelled = False
 
-    def test(self) -> bool:
-        if self.inner is None:
-            self.backend.start_ready()
-            if self.inner is None:
-                return self.cancelled  # withdrawn before it started
+    def completed(self) -> bool:
         if self.ready_out is None:
             if not self.inner.test():
                 return False
@@ -69,20 +56,11 @@ class StagedPending(Pending):
             self.ready_out = self.backend.copy_out(self)
         return self.ready_out is True or self.ready_out.query()
 
-    def cancel(self) -> None:
-        """Withdraw it: from the queue if it has not started (under the lock,
-        so it cannot start meanwhile), else from MPI (a point-to-point op)."""
-        self.cancelled = True
-        if not self.backend.withdraw(self):
-            self.inner.cancel()
-
-    def source(self) -> int:
-        return self.inner.source()
-
 
 class StagedMPIBackend(MPIBackend):
     name = "mpi_staged"
     devices = frozenset({"cuda"})
+    direct_cuda = False
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -93,10 +71,7 @@ class StagedMPIBackend(MPIBackend):
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
-        self.devices = type(self).devices  # (MPIBackend adds cuda when the MPI is CUDA-aware)
-        self.queue: deque[StagedPending] = deque()  # submitted, not started: in submission order
-        self.lock = threading.Lock()  # the queue: submitting threads and the engine's helper threads
-        self.side: dict[torch.device, tuple] = {}  # per device: (copy-in stream, copy-back stream)
+        self.devices = type(self).devices
 
     def version(self) -> str:
         return super().version() + " (host-staged)"
@@ -116,45 +91,7 @@ class StagedMPIBackend(MPIBackend):
         args = [None if t is None else next(hosts) for t, _, _ in tensors]
         stream = torch.cuda.current_stream(entries[0][0].device) if entries and entries[0][0].is_cuda else None
         pending = StagedPending(self, entries, lambda: start(*args), stream)
-        with self.lock:
-            pending.ready_in = self.copy_in(pending)
-            self.queue.append(pending)
-            self._start_ready()
-        return pending
-
-    def start_ready(self) -> None:
-        with self.lock:
-            self._start_ready()
-
-    def _start_ready(self) -> None:
-        """Start the queued ops whose inputs are on the host, oldest first,
-        stopping at the first that is not ready (so starts keep their order
-        on every rank). A failure is the failing op's own."""
-        queue = self.queue
-        while queue:
-            head = queue[0]
-            try:
-                if not (head.ready_in is True or head.ready_in.query()):
-                    return
-                head.inner = head.start()
-            except Exception as exc:
-                head.inner = _Failed(exc)
-            queue.popleft()
-
-    def withdraw(self, pending: StagedPending) -> bool:
-        """Drop ``pending`` from the queue if it has not started; False when it has."""
-        with self.lock:
-            if pending.inner is not None:
-                return False
-            if pending in self.queue:  # (not after an earlier withdrawal)
-                self.queue.remove(pending)
-            return True
-
-    def _streams(self, device: torch.device) -> tuple:
-        streams = self.side.get(device)
-        if streams is None:  # two: a copy back never queues behind later ops' copies in
-            streams = self.side[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return streams
+        return self.defer(pending, lambda: self.copy_in(pending))
 
     def copy_in(self, pending: StagedPending):
         """Copy the inputs to their host buffers: True when done (or none),
@@ -167,7 +104,7 @@ class StagedMPIBackend(MPIBackend):
                 for t, host in copies:
                     host.copy_(t)
                 return True
-            side = self._streams(copies[0][0].device)[0]
+            side = self.streams(copies[0][0].device)[0]
             side.wait_event(pending.submitted)
             with torch.cuda.stream(side):
                 for t, host in copies:
@@ -187,7 +124,7 @@ class StagedMPIBackend(MPIBackend):
                 for t, host in copies:
                     t.copy_(host)
                 return True
-            side = self._streams(copies[0][0].device)[1]
+            side = self.streams(copies[0][0].device)[1]
             side.wait_event(pending.submitted)
             with torch.cuda.stream(side):
                 for t, host in copies:
@@ -239,16 +176,3 @@ class StagedMPIBackend(MPIBackend):
 
     def recv(self, comm, tensor, peer, tag):
         return self.staged(lambda t: super(StagedMPIBackend, self).recv(comm, t, peer, tag), (tensor, False, True))
-
-
-
-class _Failed(Pending):
-    """A staged op whose MPI call raised when it was started."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception):
-        self.error = error
-
-    def test(self) -> bool:
-        raise self.error
