@@ -57,6 +57,14 @@ def test_stream_ordered_starts_on_cpu(nprocs):
     assert out.count(": OK ") == nprocs and "['mpi_ordered_cpu']" in out, out[-3000:]
 
 
+def test_late_collective_is_not_withdrawn():
+    """A collective still waiting for its device work on one rank at its
+    deadline starts in its turn; the next collective pairs with the right call
+    (the job aborts at exit, as after any failed collective)."""
+    out = run_job(2, "ordered_job.py", "late", timeout=120, expect_rc=None)
+    assert out.count("late collective OK") == 2, out[-3000:]
+
+
 def test_backend_live_on_some_ranks_is_left_out_everywhere():
     out = run_job(2, "live_agreement_job.py", timeout=120)
     assert out.count("backends agreed") == 2, out[-3000:]

@@ -286,8 +286,8 @@ class Work:
     def source_rank(self) -> int:
         """Global rank the message came from (a completed receive; with ``src=None``
         the one that matched)."""
-        if not self._done or self.op not in RECEIVES:
-            raise RuntimeError(f"source_rank: only a completed receive has a source ({self!r})")
+        if not self._done or self._error is not None or self.op not in RECEIVES:
+            raise RuntimeError(f"source_rank: only a receive that completed has a source ({self!r})")
         return self.group.ranks[self._pending.source()]
 
     def get_future(self) -> torch.futures.Future:

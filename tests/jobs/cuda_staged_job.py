@@ -71,15 +71,18 @@ mcrdl.barrier(backend=NAME)
 # wait for the sleep (no host-blocking synchronize).
 SLEEP_S = 0.2
 cycles_per_s = torch.cuda.get_device_properties(dev).clock_rate * 1e3  # kHz -> cycles/s
-for i in range(3):
-    x = torch.zeros(1 << 20, device=dev)
+# bfloat16 widens to float32 on a private stream (the direct path); a future's
+# helper thread starts the op on its own thread (whose current device is 0).
+for i, (dtype, future) in enumerate([(torch.float32, False)] * 3 + [(torch.bfloat16, False), (torch.float32, True)]):
+    x = torch.zeros(1 << 20, device=dev, dtype=dtype)
     torch.cuda._sleep(int(SLEEP_S * cycles_per_s))
     x.fill_(rank + 1)  # the producer, queued behind the sleep
     start = time.perf_counter()
     work = mcrdl.all_reduce(x, backend=NAME, async_op=True)
     submit_s = time.perf_counter() - start
-    work.wait()
-    check(bool((x.cpu() == sum(r + 1 for r in range(world))).all()), "the op ran before its producer", x[:4])
+    work.get_future().wait() if future else work.wait()
+    check(bool((x.cpu() == sum(r + 1 for r in range(world))).all()), "the op ran before its producer", dtype,
+          future, x[:4])
     check(i == 0 or submit_s < SLEEP_S / 2, f"submitting blocked the caller for {submit_s:.3f} s")  # (warm)
 # Write after read: a clone of dst queued behind a GPU sleep must see dst's old
 # values, though the peer's send completes on the host meanwhile (the receive,

@@ -8,6 +8,7 @@ matrix on it."""
 import runpy
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -21,9 +22,11 @@ NAME = "mpi_ordered_cpu"
 
 @mcrdl.register_backend
 class OrderedOnCPU(MPIBackend):
-    """The MPI backend with every op in stream order; float64 stands for CUDA."""
+    """The MPI backend with every op in stream order; float64 stands for CUDA
+    (and, like CUDA tensors, has no compiled fast path). ``late``: the next
+    event completes only at that time (monotonic s)."""
     name = NAME
-    count = 0
+    count, late = 0, None
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -35,7 +38,29 @@ class OrderedOnCPU(MPIBackend):
 
     def stream_event(self, t):
         self.count += 1
+        if self.late is not None:
+            at, self.late = self.late, None
+            return LandsAt(at)
         return Lands((self.count * (3 if mcrdl.get_rank() % 2 else 5)) % 7)
+
+    def starter(self, op, h, timeout, tensors, *fixed):
+        if self.device_tensor(tensors) is not None:
+            return self.nonblocking(op, h, *fixed)
+        return super().starter(op, h, timeout, tensors, *fixed)
+
+
+@mcrdl.register_backend
+class OrderedTwo(OrderedOnCPU):
+    """A second queue: a wait on one backend's op must start the other's."""
+    name = NAME + "_2"
+
+
+class LandsAt:
+    def __init__(self, at):
+        self.at = at
+
+    def query(self):
+        return time.monotonic() >= self.at
 
 
 mcrdl.init_process_group(timeout=60)
@@ -43,6 +68,27 @@ rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 engine = mcrdl.api._rt().engine
 ordered = mcrdl.api._rt().backends[NAME]
 peer, prev = (rank + 1) % world, (rank - 1) % world
+
+if sys.argv[1:] == ["late"]:
+    # a collective still queued on rank 1 at its deadline is not withdrawn: the
+    # others started it, and the next collective must not pair with it (the job
+    # then aborts at exit, as after any failed collective)
+    quick = mcrdl.new_group(list(range(world)), timeout=2)
+    if rank == 1:
+        ordered.late = time.monotonic() + 3
+    try:
+        mcrdl.all_reduce(value(rank, 4, torch.float64), group=quick, backend=NAME)
+        check(False, "a collective whose device work came late on rank 1 completed in time")
+    except mcrdl.CommTimeoutError:
+        pass
+    after = value(rank, 5, torch.float32, salt=7)
+    mcrdl.all_reduce(after, group=quick, backend=NAME)  # rank 1: queued behind the late one
+    check(torch.equal(after, reduced(range(world), 5, torch.float32, "sum", salt=7)),
+          "paired with a timed-out collective:", after)
+    check(not ordered.queue, "ops left unstarted:", len(ordered.queue))
+    print(f"rank {rank}: late collective OK", flush=True)
+    mcrdl.barrier()  # (the abort at exit must not cut another rank's output)
+    sys.exit(0)
 
 # a host op with nothing waiting starts at once; a device op waits for its stream
 host = mcrdl.all_reduce(value(rank, 4, torch.float32), backend=NAME, async_op=True)
@@ -85,6 +131,32 @@ stop.set()
 poller.join()
 check(Lands.not_yet > 100, "starts were not deferred:", Lands.not_yet)
 check(not ordered.queue, "ops left unstarted:", len(ordered.queue))
+
+# two backends' queues: each rank's send waits in one, its receive in the other,
+# and it waits for the receive first (a wait spinning on one queue alone hangs)
+if world > 1:
+    for rnd in range(5):
+        mine, theirs = (NAME, NAME + "_2") if rank % 2 else (NAME + "_2", NAME)
+        got = torch.empty(8, dtype=torch.float64)
+        send = mcrdl.isend(value(rank, 8, torch.float64, salt=rnd), peer, tag=2, backend=mine)
+        receive = mcrdl.irecv(got, prev, tag=2, backend=NAME if prev % 2 else NAME + "_2")
+        receive.wait()
+        send.wait()
+        check(torch.equal(got, value(prev, 8, torch.float64, salt=rnd)), "two queues, round", rnd)
+
+# an op queued outside any work the engine tracks (here: started on the backend
+# directly): the blocking fast path, which runs when nothing is outstanding,
+# must still queue behind it
+for rnd in range(10):
+    early = value(rank, 6, torch.float64, salt=rnd)
+    ordered.late = time.monotonic() + 0.05 if rank % 2 else 0  # queued on odd ranks only
+    pending = ordered.all_reduce(mcrdl.api._rt().world.handles[NAME], early, mcrdl.ReduceOp.SUM)
+    fast = value(rank, 6, torch.float32, salt=rnd)
+    mcrdl.all_reduce(fast, backend=NAME)
+    while not pending.test():
+        pass
+    check(torch.equal(early, reduced(range(world), 6, torch.float64, "sum", salt=rnd)), "queued op, round", rnd)
+    check(torch.equal(fast, reduced(range(world), 6, torch.float32, "sum", salt=rnd)), "fast path overtook, round", rnd)
 mcrdl.barrier()
 mcrdl.destroy_process_group()
 print(f"rank {rank}: ordering checks OK")

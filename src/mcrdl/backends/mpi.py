@@ -140,22 +140,28 @@ class DeferredPending(Pending):
     ``query()`` says so: a CUDA event) and every op submitted before it on its
     backend has started (:meth:`MPIBackend.defer`). Polling it starts it."""
 
-    #: not "mpi": a wait on a plain MPI request must still poll this one, or
-    #: its start would never happen while that wait spins
-    progress_domain = "mpi_deferred"
-    __slots__ = ("backend", "start", "ready", "inner", "cancelled")
+    __slots__ = ("backend", "start", "device", "withdrawable", "ready", "inner", "cancelled", "withdrawn")
 
-    def __init__(self, backend: "MPIBackend", start: Callable[[], Pending]):
+    def __init__(self, backend: "MPIBackend", start: Callable[[], Pending], device: Optional[torch.device] = None,
+                 withdrawable: bool = False):
         self.backend, self.start = backend, start
+        self.device = device  # the CUDA device current while it starts (any thread may start it)
+        self.withdrawable = withdrawable  # a send or receive: dropped unmatched if it never started
         self.ready: Any = True
         self.inner: Optional[Pending] = None
-        self.cancelled = False
+        self.cancelled = self.withdrawn = False
+
+    @property
+    def progress_domain(self) -> str:
+        """Its backend's own (not "mpi"): a wait on another MPI request, or on
+        another backend's queue, must still poll this one, or it never starts."""
+        return self.backend.deferred_domain
 
     def test(self) -> bool:
         if self.backend.queue:  # whichever op is waited for starts those behind it: a wait
             self.backend.start_ready()  # on a receive must start the send its peer waits for
         if self.inner is None:
-            return self.cancelled  # withdrawn before it started
+            return self.withdrawn
         return self.completed()
 
     def completed(self) -> bool:
@@ -163,10 +169,17 @@ class DeferredPending(Pending):
         return self.inner.test()
 
     def cancel(self) -> None:
-        """Withdraw it: from the queue if it has not started (under the lock,
-        so it cannot start meanwhile), else from MPI (a point-to-point op)."""
+        """A missed deadline. A send or receive not started yet is withdrawn
+        (nothing matched it); a started one is cancelled in MPI. A collective
+        is never withdrawn: other members may have started it, and MPI matches
+        a communicator's collectives in start order, so it starts in its turn
+        (now, if ready) and completes unobserved."""
         self.cancelled = True
-        if not self.backend.withdraw(self):
+        if self.withdrawable and self.backend.withdraw(self):
+            return
+        if self.inner is None:
+            self.backend.start_ready()
+        if self.inner is not None:
             self.inner.cancel()
 
     def source(self) -> int:
@@ -203,6 +216,8 @@ class MPIBackend(Backend):
         self.devices = frozenset({"cpu", "cuda"} if self.cuda_aware and self.direct_cuda else {"cpu"})
         self.queue: deque[DeferredPending] = deque()  # submitted, not started: in submission order
         self.lock = threading.Lock()  # the queue: submitting threads and the engine's helper threads
+        self.deferred_domain = "deferred:" + self.name
+        self.ordered = False  # every op in stream order (order_after_streams)
         self.side: dict[torch.device, tuple] = {}  # per device: two private streams
         # Datatypes used to move bytes (every dtype) and to reduce (not bf16/bool).
         self.move_types = {
@@ -257,17 +272,23 @@ class MPIBackend(Backend):
     def order_after_streams(self) -> None:
         """Make every op start in stream order (module docstring): called when
         this backend takes CUDA tensors. The ops become instance attributes
-        that defer a call with a CUDA tensor, and any call while others wait."""
+        that defer a call with a CUDA tensor, and any call while others wait;
+        the blocking fast paths' starts queue too while others wait."""
+        if self.ordered:
+            return
+        self.ordered = True
         for op in OPS:
             run = getattr(self, op)
-            setattr(self, op, lambda h, *args, _run=run: self._in_order(_run, h, args))
+            setattr(self, op, lambda h, *args, _run=run, _p2p=op in ("send", "recv"):
+                    self._in_order(_run, h, args, _p2p))
 
-    def _in_order(self, run: Callable[..., Pending], h, args: tuple) -> Pending:
-        device = self.device_tensor(args)
-        if device is None and not self.queue:
+    def _in_order(self, run: Callable[..., Pending], h, args: tuple, p2p: bool) -> Pending:
+        t = self.device_tensor(args)
+        if t is None and not self.queue:
             return run(h, *args)
-        return self.defer(DeferredPending(self, lambda: run(h, *args)),
-                          lambda: True if device is None else self.stream_event(device))
+        return self.defer(DeferredPending(self, lambda: run(h, *args), t.device if t is not None and t.is_cuda
+                                          else None, p2p),
+                          lambda: True if t is None else self.stream_event(t))
 
     @staticmethod
     def device_tensor(args: tuple) -> Optional[torch.Tensor]:
@@ -304,7 +325,11 @@ class MPIBackend(Backend):
             try:
                 if not (head.ready is True or head.ready.query()):
                     return
-                head.inner = head.start()
+                if head.device is None:
+                    head.inner = head.start()
+                else:
+                    with torch.cuda.device(head.device):
+                        head.inner = head.start()
             except Exception as exc:
                 head.inner = _Failed(exc)
             queue.popleft()
@@ -316,6 +341,7 @@ class MPIBackend(Backend):
                 return False
             if pending in self.queue:  # (not after an earlier withdrawal)
                 self.queue.remove(pending)
+            pending.withdrawn = True
             return True
 
     def streams(self, device: torch.device) -> tuple:
@@ -371,7 +397,12 @@ class MPIBackend(Backend):
             start = None
         if start is None and op == "all_reduce":
             start = self._all_reduce_starter(comm, tensors[0].dtype, *fixed)
-        return start or super().starter(op, comm, timeout, tensors, *fixed)
+        if start is None or not self.ordered:
+            return start or super().starter(op, comm, timeout, tensors, *fixed)
+        # ops may be queued even with no work outstanding (one abandoned at its
+        # deadline): this start must not overtake them
+        queue, fast, queued = self.queue, start, self.nonblocking(op, comm, *fixed)
+        return lambda *args: queued(*args) if queue else fast(*args)
 
     def _all_reduce_starter(self, comm, dtype, op):
         """Pure-Python all_reduce with its set-up done once."""
