@@ -57,6 +57,13 @@ def test_stream_ordered_starts_on_cpu(nprocs):
     assert out.count(": OK ") == nprocs and "['mpi_ordered_cpu']" in out, out[-3000:]
 
 
+def test_mpi_declared_cuda_aware_still_runs_cpu_tensors():
+    """``MCRDL_MPI_CUDA_AWARE=1``: the mpi backend orders its ops after streams
+    (wrapped ops, queue-checking fast paths); every CPU op still runs right."""
+    out = run_job(2, "ops_job.py", "mpi", timeout=600, env={"MCRDL_MPI_CUDA_AWARE": "1"})
+    assert out.count(": OK ") == 2 and "['mpi']" in out, out[-3000:]
+
+
 def test_late_collective_is_not_withdrawn():
     """A collective still waiting for its device work on one rank at its
     deadline starts in its turn; the next collective pairs with the right call
