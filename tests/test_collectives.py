@@ -70,6 +70,7 @@ def test_late_collective_is_not_withdrawn():
     (the job aborts at exit, as after any failed collective)."""
     out = run_job(2, "ordered_job.py", "late", timeout=120, expect_rc=None)
     assert out.count("late collective OK") == 2, out[-3000:]
+    assert "aborting the MPI job instead" in out and "job killed" not in out, out[-3000:]
 
 
 def test_backend_live_on_some_ranks_is_left_out_everywhere():

@@ -399,6 +399,8 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
     work = engine.run(op, name, pending, reads, writes, post, g, result, async_op)
     if timing is not None:
         tuner.record(timing, name, time.perf_counter() - began)
+    if work is not None:
+        work.peer = peer
     return work
 
 
@@ -512,7 +514,9 @@ def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tupl
         pending = start(*args)
     except Exception as exc:
         raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
-    return engine.run(op, name, pending, reads, writes, post, g, result, True)
+    work = engine.run(op, name, pending, reads, writes, post, g, result, True)
+    work.peer = peer
+    return work
 
 
 def _block(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tuple, nbytes: int,

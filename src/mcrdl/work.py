@@ -220,7 +220,7 @@ RECEIVES = frozenset({"recv", "irecv"})
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
-    __slots__ = ("op", "backend", "group", "_engine", "_pending", "_post", "_reads", "_writes",
+    __slots__ = ("op", "backend", "group", "peer", "_engine", "_pending", "_post", "_reads", "_writes",
                  "_deadline", "_done", "_error", "_result", "_future", "_settled", "_spans")
 
     def __init__(self, engine: "Engine", op: str, backend: str, pending: Pending,
@@ -230,6 +230,7 @@ class Work:
         self.op = op
         self.backend = backend
         self.group = group  # its deadline is the group's timeout after submission
+        self.peer = -1  # a receive's named source (group rank; -1: any, its pending names the sender)
         self._engine = engine
         self._pending = pending
         self._post = post
@@ -288,7 +289,7 @@ class Work:
         the one that matched)."""
         if not self._done or self._error is not None or self.op not in RECEIVES:
             raise RuntimeError(f"source_rank: only a receive that completed has a source ({self!r})")
-        return self.group.ranks[self._pending.source()]
+        return self.group.ranks[self.peer if self.peer >= 0 else self._pending.source()]
 
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` completed with :meth:`result` when done.

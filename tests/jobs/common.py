@@ -1,4 +1,6 @@
 """Deterministic inputs and local references shared by the test jobs."""
+import time
+
 import torch
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,3 +50,13 @@ class Lands:
         self.left -= 1
         Lands.not_yet += self.left >= 0
         return self.left < 0
+
+
+class LandsAt:
+    """Stands for a CUDA event that completes at monotonic time ``at``."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def query(self):
+        return time.monotonic() >= self.at

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import mcrdl
-from common import Lands, check, reduced, value
+from common import Lands, LandsAt, check, reduced, value
 from mcrdl.backends.mpi import DeferredPending, MPIBackend
 
 NAME = "mpi_ordered_cpu"
@@ -55,14 +55,6 @@ class OrderedTwo(OrderedOnCPU):
     name = NAME + "_2"
 
 
-class LandsAt:
-    def __init__(self, at):
-        self.at = at
-
-    def query(self):
-        return time.monotonic() >= self.at
-
-
 mcrdl.init_process_group(timeout=60)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 engine = mcrdl.api._rt().engine
@@ -75,7 +67,7 @@ if sys.argv[1:] == ["late"]:
     # then aborts at exit, as after any failed collective)
     quick = mcrdl.new_group(list(range(world)), timeout=2)
     if rank == 1:
-        ordered.late = time.monotonic() + 3
+        ordered.late = time.monotonic() + 2.4  # rank 1 misses its own 2 s deadline; the others wait less
     try:
         mcrdl.all_reduce(value(rank, 4, torch.float64), group=quick, backend=NAME)
         check(False, "a collective whose device work came late on rank 1 completed in time")
@@ -143,6 +135,29 @@ if world > 1:
         receive.wait()
         send.wait()
         check(torch.equal(got, value(prev, 8, torch.float64, salt=rnd)), "two queues, round", rnd)
+
+# a receive still queued at its deadline is not dropped: the message sent for it
+# must not go to the next receive; a receive from a named source knows it
+if world > 1:
+    quick = mcrdl.new_group(list(range(world)), timeout=1)
+    if rank == 0:
+        mcrdl.send(value(0, 4, torch.float64, salt=1), 1, group=quick, tag=5, backend=NAME)
+    elif rank == 1:
+        ordered.late = time.monotonic() + 1.5
+        try:
+            mcrdl.recv(torch.zeros(4, dtype=torch.float64), 0, group=quick, tag=5, backend=NAME)
+            check(False, "a receive whose device work came late completed in time")
+        except mcrdl.CommTimeoutError:
+            pass
+    mcrdl.barrier()
+    if rank == 0:
+        mcrdl.send(value(0, 4, torch.float64, salt=2), 1, group=quick, tag=5, backend=NAME)
+    elif rank == 1:
+        got = torch.zeros(4, dtype=torch.float64)
+        work = mcrdl.irecv(got, 0, group=quick, tag=5, backend=NAME)
+        work.wait()
+        check(torch.equal(got, value(0, 4, torch.float64, salt=2)), "got the message of a timed-out receive:", got)
+        check(work.source_rank() == 0, "source_rank of a receive from rank 0:", work.source_rank())
 
 # an op queued outside any work the engine tracks (here: started on the backend
 # directly): the blocking fast path, which runs when nothing is outstanding,

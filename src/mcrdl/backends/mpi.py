@@ -140,16 +140,14 @@ class DeferredPending(Pending):
     ``query()`` says so: a CUDA event) and every op submitted before it on its
     backend has started (:meth:`MPIBackend.defer`). Polling it starts it."""
 
-    __slots__ = ("backend", "start", "device", "withdrawable", "ready", "inner", "cancelled", "withdrawn")
+    __slots__ = ("backend", "start", "device", "ready", "inner", "cancelled")
 
-    def __init__(self, backend: "MPIBackend", start: Callable[[], Pending], device: Optional[torch.device] = None,
-                 withdrawable: bool = False):
+    def __init__(self, backend: "MPIBackend", start: Callable[[], Pending], device: Optional[torch.device] = None):
         self.backend, self.start = backend, start
         self.device = device  # the CUDA device current while it starts (any thread may start it)
-        self.withdrawable = withdrawable  # a send or receive: dropped unmatched if it never started
         self.ready: Any = True
         self.inner: Optional[Pending] = None
-        self.cancelled = self.withdrawn = False
+        self.cancelled = False
 
     @property
     def progress_domain(self) -> str:
@@ -160,27 +158,25 @@ class DeferredPending(Pending):
     def test(self) -> bool:
         if self.backend.queue:  # whichever op is waited for starts those behind it: a wait
             self.backend.start_ready()  # on a receive must start the send its peer waits for
-        if self.inner is None:
-            return self.withdrawn
-        return self.completed()
+        return self.inner is not None and self.completed()
 
     def completed(self) -> bool:
         """Has the started op completed?"""
         return self.inner.test()
 
     def cancel(self) -> None:
-        """A missed deadline. A send or receive not started yet is withdrawn
-        (nothing matched it); a started one is cancelled in MPI. A collective
-        is never withdrawn: other members may have started it, and MPI matches
-        a communicator's collectives in start order, so it starts in its turn
-        (now, if ready) and completes unobserved."""
-        self.cancelled = True
-        if self.withdrawable and self.backend.withdraw(self):
-            return
-        if self.inner is None:
-            self.backend.start_ready()
-        if self.inner is not None:
-            self.inner.cancel()
+        """A missed deadline. Nothing is withdrawn from the queue: MPI matches a
+        communicator's collectives, and a peer's messages, in start order, and
+        the other side may have started its part, so dropping this op would
+        pair every later one with the wrong call. It starts in its turn (now,
+        if ready), is cancelled in MPI then (a send or receive; a collective
+        completes unobserved), and is polled until it completes."""
+        with self.backend.lock:
+            self.cancelled = True
+            if self.inner is None:
+                self.backend._start_ready()  # (cancels it if it starts)
+            else:
+                self.inner.cancel()
 
     def source(self) -> int:
         return self.inner.source()
@@ -279,15 +275,14 @@ class MPIBackend(Backend):
         self.ordered = True
         for op in OPS:
             run = getattr(self, op)
-            setattr(self, op, lambda h, *args, _run=run, _p2p=op in ("send", "recv"):
-                    self._in_order(_run, h, args, _p2p))
+            setattr(self, op, lambda h, *args, _run=run: self._in_order(_run, h, args))
 
-    def _in_order(self, run: Callable[..., Pending], h, args: tuple, p2p: bool) -> Pending:
+    def _in_order(self, run: Callable[..., Pending], h, args: tuple) -> Pending:
         t = self.device_tensor(args)
         if t is None and not self.queue:
             return run(h, *args)
         return self.defer(DeferredPending(self, lambda: run(h, *args), t.device if t is not None and t.is_cuda
-                                          else None, p2p),
+                                          else None),
                           lambda: True if t is None else self.stream_event(t))
 
     @staticmethod
@@ -330,19 +325,11 @@ class MPIBackend(Backend):
                 else:
                     with torch.cuda.device(head.device):
                         head.inner = head.start()
+                if head.cancelled:  # its deadline passed while it waited
+                    head.inner.cancel()
             except Exception as exc:
                 head.inner = _Failed(exc)
             queue.popleft()
-
-    def withdraw(self, pending: DeferredPending) -> bool:
-        """Drop ``pending`` from the queue if it has not started; False when it has."""
-        with self.lock:
-            if pending.inner is not None:
-                return False
-            if pending in self.queue:  # (not after an earlier withdrawal)
-                self.queue.remove(pending)
-            pending.withdrawn = True
-            return True
 
     def streams(self, device: torch.device) -> tuple:
         """Two private streams on ``device``: work into MPI's buffers, and back."""
@@ -389,7 +376,8 @@ class MPIBackend(Backend):
     # -- the fast paths' starters: compiled start-and-wait where possible ----------
     def starter(self, op, comm, timeout, tensors, *fixed):
         """The compiled start-and-wait where it applies, else Python. It does not
-        call the op methods: a subclass that changes an op changes this too."""
+        call the op methods (a subclass that changes an op changes this too),
+        except behind queued ops when ordered (:meth:`order_after_streams`)."""
         build = getattr(self, "_native_" + op, None) if self.native is not None else None
         if build is not None and all(t is None or t.numel() <= INT_MAX for t in tensors):
             start = build(comm, min(timeout, NATIVE_WAIT_S), *tensors, *fixed)
@@ -566,12 +554,17 @@ class _CopyBack(Pending):
 
     def __init__(self, inner: MPIPending, target: torch.Tensor, wide: torch.Tensor, where: Callable):
         self.inner, self.target, self.wide, self.where = inner, target, wide, where  # where(): the copy's context
+        self.cancelled = False
 
     def _copy(self, done: bool) -> bool:
-        if done:
+        if done and not self.cancelled:  # (a missed deadline: the caller was told it failed)
             with torch.no_grad(), self.where():
                 self.target.copy_(self.wide)
         return done
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.inner.cancel()
 
     def test(self) -> bool:
         return self._copy(self.inner.test())

@@ -36,8 +36,8 @@ class StagedPending(DeferredPending):
     __slots__ = ("entries", "stream", "submitted", "ready_out")
 
     def __init__(self, backend: "StagedMPIBackend", entries: Sequence[Entry], start: Callable[[], Pending],
-                 stream=None, withdrawable: bool = False):
-        super().__init__(backend, start, withdrawable=withdrawable)
+                 stream=None):
+        super().__init__(backend, start)
         self.entries = entries
         self.stream = stream  # CUDA: the caller's stream, and an event at the op's place in it
         self.submitted = None
@@ -80,17 +80,16 @@ class StagedMPIBackend(MPIBackend):
         return self.nonblocking(op, h, *fixed)
 
     # -- staging -------------------------------------------------------------------
-    def staged(self, start: Callable[..., Pending], *tensors: tuple[Optional[torch.Tensor], bool, bool],
-               p2p: bool = False) -> Pending:
+    def staged(self, start: Callable[..., Pending], *tensors: tuple[Optional[torch.Tensor], bool, bool]
+               ) -> Pending:
         """Run ``start(*host buffers)`` on host copies of ``tensors``, given as
-        (tensor or None, copy in, copy back); None stays None. ``p2p``: a send
-        or receive (withdrawn at its deadline if it has not started)."""
+        (tensor or None, copy in, copy back); None stays None."""
         entries = [(t, torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda), i, o)
                    for t, i, o in tensors if t is not None]
         hosts = iter(e[1] for e in entries)
         args = [None if t is None else next(hosts) for t, _, _ in tensors]
         stream = torch.cuda.current_stream(entries[0][0].device) if entries and entries[0][0].is_cuda else None
-        pending = StagedPending(self, entries, lambda: start(*args), stream, p2p)
+        pending = StagedPending(self, entries, lambda: start(*args), stream)
         return self.defer(pending, lambda: self.copy_in(pending))
 
     def copy_in(self, pending: StagedPending):
@@ -172,9 +171,7 @@ class StagedMPIBackend(MPIBackend):
         return self.staged(lambda: super(StagedMPIBackend, self).barrier(comm))
 
     def send(self, comm, tensor, peer, tag):
-        return self.staged(lambda t: super(StagedMPIBackend, self).send(comm, t, peer, tag), (tensor, True, False),
-                           p2p=True)
+        return self.staged(lambda t: super(StagedMPIBackend, self).send(comm, t, peer, tag), (tensor, True, False))
 
     def recv(self, comm, tensor, peer, tag):
-        return self.staged(lambda t: super(StagedMPIBackend, self).recv(comm, t, peer, tag), (tensor, False, True),
-                           p2p=True)
+        return self.staged(lambda t: super(StagedMPIBackend, self).recv(comm, t, peer, tag), (tensor, False, True))
