@@ -15,6 +15,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
+from . import facts
 from .backends import REGISTRY
 from .backends.base import ANY_SOURCE
 from .runtime import DEFAULT_TIMEOUT, Group, Runtime
@@ -30,6 +31,8 @@ DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
 _SUM = ReduceOp.SUM
 _SENDS = ("send", "isend")
 MAX_TAG = 2**31 - 1  # a C int (MPI's own bound, MPI_TAG_UB, may be lower)
+#: The fast paths' tensor checks (facts.py), compiled once init has loaded them.
+_key, _pair, _span_at = facts.key, facts.pair, facts.span
 
 
 # -- lifecycle -------------------------------------------------------------------------
@@ -59,9 +62,11 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
     collective from the job's own first calls (or ``MCRDL_AUTOTUNE=1``; see
     :mod:`mcrdl.autotune`).
     """
-    global _runtime
+    global _runtime, _key, _pair, _span_at
     if _runtime is not None:
         raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
+    checks = facts.load()
+    _key, _pair, _span_at = checks.key, checks.pair, checks.span
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
                        comms_log, store, rank, world_size, autotune)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
@@ -449,12 +454,6 @@ def _fast_group(rt: Optional[Runtime], group: Optional[Group], async_op: bool,
     return g if type(g) is Group and g.owner is rt and g.rank >= 0 else None
 
 
-def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Contiguous ``a`` and ``b`` share no byte (aliased send and receive
-    buffers take the general path, which copies)."""
-    return not (a.data_ptr() < b.data_ptr() + b.nbytes and b.data_ptr() < a.data_ptr() + a.nbytes)
-
-
 def _remember(g: Group, key: tuple, plan):
     """Keep ``plan`` as ``g``'s plan for ``key`` (at most 4096 per group); None
     (no plan while autotune explores) is not kept."""
@@ -540,14 +539,14 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
     # The fast path, with _fast_group and _block inlined for the unlogged case
     # (two calls fewer on the 4-byte latency path).
     if (op is _SUM and not async_op and rt is not None and not rt.debug and not rt.engine.outstanding
-            and not rt.engine.lost and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
-            and tensor.dtype is not torch.bool and (backend is None or type(backend) is str)):
+            and not rt.engine.lost and (backend is None or type(backend) is str)):
         g = rt.world if group is None else group
-        if type(g) is Group and g.owner is rt and g.rank >= 0:
-            nbytes = tensor.nbytes
-            key = (nbytes, tensor.dtype, backend)
+        kind = _key(tensor)
+        if type(g) is Group and g.owner is rt and g.rank >= 0 and kind is not None and kind[1] is not torch.bool:
+            key = (kind, backend)
             plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend))
             if plan is not None:
+                nbytes = kind[0]
                 if nbytes:
                     if rt.logger is None:
                         pending = plan[1](tensor)
@@ -558,12 +557,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
                 return None
     if async_op and op is _SUM:
         g = _fast_group(rt, group, True, backend, async_ok=True)
-        if (g is not None and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous()
-                and tensor.dtype is not torch.bool):
-            key = ("all_reduce", tensor.nbytes, tensor.dtype, backend, True)
+        kind = _key(tensor)
+        if g is not None and kind is not None and kind[1] is not torch.bool:
+            key = ("all_reduce", kind, backend, True)
             plan = g.starters.get(key) or _remember(g, key, _all_reduce_plan(rt, g, tensor, backend, True))
             if plan is not None:
-                return _fast(rt, g, "all_reduce", plan[0], plan[1], (tensor,), tensor.nbytes, (tensor,),
+                return _fast(rt, g, "all_reduce", plan[0], plan[1], (tensor,), kind[0], (tensor,),
                              (tensor,), (tensor,), True)
     return _all_reduce(tensor, op, group, async_op, backend)
 
@@ -595,14 +594,13 @@ def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
     rt = _runtime
     g = _fast_group(rt, group, async_op, backend, async_ok=True)
-    if (g is not None and type(src) is int and isinstance(tensor, torch.Tensor) and tensor.is_cpu
-            and tensor.is_contiguous()):
-        nbytes = tensor.nbytes
-        key = ("broadcast", nbytes, tensor.dtype, backend, src, async_op)
+    kind = _key(tensor) if g is not None and type(src) is int else None
+    if kind is not None:
+        key = ("broadcast", kind, backend, src, async_op)
         plan = g.starters.get(key) or _remember(g, key, _broadcast_plan(rt, g, tensor, src, backend, async_op))
         if plan is not None:
             name, start, root = plan
-            return _fast(rt, g, "broadcast", name, start, (tensor,), nbytes, (tensor,), (tensor,), (tensor,),
+            return _fast(rt, g, "broadcast", name, start, (tensor,), kind[0], (tensor,), (tensor,), (tensor,),
                          async_op, root)
     g = _group(group, "broadcast")
     _check("broadcast", tensor)
@@ -631,12 +629,12 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Grou
     """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are scratch)."""
     rt = _runtime
     g = _fast_group(rt, group, async_op, backend)
-    if (g is not None and op is _SUM and type(dst) is int and isinstance(tensor, torch.Tensor)
-            and tensor.is_cpu and tensor.is_contiguous() and tensor.dtype is not torch.bool):
-        nbytes = tensor.nbytes
-        key = ("reduce", nbytes, tensor.dtype, backend, dst)
+    kind = _key(tensor) if g is not None and op is _SUM and type(dst) is int else None
+    if kind is not None and kind[1] is not torch.bool:
+        key = ("reduce", kind, backend, dst)
         plan = g.starters.get(key) or _remember(g, key, _reduce_plan(rt, g, tensor, dst, backend))
         if plan is not None:
+            nbytes = kind[0]
             if nbytes:
                 _block(rt, g, "reduce", plan[0], plan[1], (tensor,), nbytes, (tensor,), (tensor,), plan[2])
             return None
@@ -706,30 +704,21 @@ def _pair_fast(op: str, output, input, group: Optional[Group], async_op: bool, b
     its result, or _GENERAL when the general path must run the call."""
     rt = _runtime
     g = _fast_group(rt, group, async_op, backend, async_ok=True)
-    if (g is None or not isinstance(input, torch.Tensor) or not isinstance(output, torch.Tensor)
-            or not (input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous())):
-        return _GENERAL
-    return _pair_run(rt, g, op, output, input, async_op, backend)
+    return _GENERAL if g is None else _pair_run(rt, g, op, output, input, async_op, backend)
 
 
-def _pair_run(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch.Tensor, async_op: bool,
-              backend: Optional[str]):
-    """:func:`_pair_fast` for contiguous CPU tensors on a fast-path group. Plans
-    are keyed on sizes in bytes and dtypes (each torch attribute read costs
-    0.1-0.2 us; a shape, more)."""
-    n_in, n_out = input.nbytes, output.nbytes
-    p_in, p_out = input.data_ptr(), output.data_ptr()
-    if p_in < p_out + n_out and p_out < p_in + n_in:  # aliased: the general path copies
+def _pair_run(rt: Runtime, g: Group, op: str, output, input, async_op: bool, backend: Optional[str]):
+    """:func:`_pair_fast` on a fast-path group (the general path runs aliased
+    tensors: it copies)."""
+    both = _pair(input, output)
+    if both is None or (both[1] is torch.bool and op == "reduce_scatter_tensor"):  # (reduced as uint8)
         return _GENERAL
-    dtype = input.dtype
-    if dtype is torch.bool and op == "reduce_scatter_tensor":  # reduced as uint8 by the general path
-        return _GENERAL
-    key = (op, n_in, n_out, dtype, output.dtype, backend, async_op)
+    key = (op, both, backend, async_op)
     plan = g.starters.get(key) or _remember(g, key, _gather_plan(rt, g, op, output, input, backend, async_op))
     if plan is None:
         return _GENERAL
-    return _fast(rt, g, op, plan[0], plan[1], (output, input), max(n_in, n_out), (input,), (output,), (output,),
-                 async_op)  # (logged as the general path logs it: the whole buffer)
+    return _fast(rt, g, op, plan[0], plan[1], (output, input), max(both[0], both[3]), (input,), (output,),
+                 (output,), async_op)  # (logged as the general path logs it: the whole buffer)
 
 
 def _gather_plan(rt: Runtime, g: Group, op: str, output: torch.Tensor, input: torch.Tensor,
@@ -754,8 +743,9 @@ def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Opt
     """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
     op = "all_gather"
     g = _fast_group(_runtime, group, async_op, backend)
-    if g is not None and isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.is_contiguous():
-        whole = _span(g, op, tensor_list, tensor)  # tensor_list: views of one buffer
+    kind = None if g is None else _key(tensor)
+    if kind is not None:
+        whole = _span(g, op, tensor_list, kind)  # tensor_list: views of one buffer
         if whole is not None:
             done = _pair_run(_runtime, g, "all_gather_into_tensor", whole, tensor, False, backend)
             # (aliased, or autotune exploring: the tensor op's general path copies less than the list's)
@@ -813,9 +803,9 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
     """Reduce ``input_list[i]`` across ranks into ``output`` on group rank ``i``."""
     name = "reduce_scatter"
     g = _fast_group(_runtime, group, async_op, backend)
-    if (g is not None and op is _SUM and isinstance(output, torch.Tensor) and output.is_cpu
-            and output.is_contiguous()):
-        whole = _span(g, name, input_list, output)  # input_list: views of one buffer
+    kind = _key(output) if g is not None and op is _SUM else None
+    if kind is not None:
+        whole = _span(g, name, input_list, kind)  # input_list: views of one buffer
         if whole is not None:
             done = _pair_run(_runtime, g, "reduce_scatter_tensor", output, whole, False, backend)
             return reduce_scatter_tensor(output, whole, op, group, False, backend) if done is _GENERAL else done
@@ -897,18 +887,17 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
     (its scatter_list); False when the general path must run the call."""
     rt = _runtime
     g = _fast_group(rt, group, async_op, backend)
-    if not (g is not None and type(global_root) is int and isinstance(tensor, torch.Tensor)
-            and tensor.is_cpu and tensor.is_contiguous()):
+    kind = _key(tensor) if g is not None and type(global_root) is int else None
+    if kind is None:
         return False
-    nbytes = tensor.nbytes
-    key = (op, nbytes, tensor.dtype, backend, global_root)
+    key = (op, kind, backend, global_root)
     plan = g.starters.get(key) or _remember(g, key, _rooted_plan(rt, g, op, tensor, global_root, backend))
     if plan is None:
         return False
     name, start, root = plan
-    whole, blocks = None, ()
+    nbytes, whole, blocks = kind[0], None, ()
     if g.rank == root:
-        whole = _span(g, op, parts, tensor)
+        whole = _span(g, op, parts, kind)
         if whole is None:
             return False
         at, start_at = tensor.data_ptr(), whole.data_ptr()
@@ -939,48 +928,31 @@ def _rooted_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, global_ro
     return plan and (*plan, root)
 
 
-def _spanning(parts, like: torch.Tensor, n: int) -> Optional[torch.Tensor]:
-    """One flat tensor over ``parts`` if they are ``n`` contiguous CPU tensors
-    with ``like``'s dtype and size lying back to back in one storage (as
-    ``x.chunk(n)`` makes them), else None: the general path checks and copies."""
-    if type(parts) not in (list, tuple) or len(parts) != n:
-        return None
-    numel, dtype, step = like.numel(), like.dtype, like.nbytes
-    first = parts[0]
-    if not isinstance(first, torch.Tensor) or first.layout is not torch.strided or first.requires_grad:
-        return None
-    base = first.data_ptr()
-    for i, t in enumerate(parts):
-        if (not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.dtype is not dtype
-                or not t.is_cpu or t.numel() != numel or not t.is_contiguous()
-                or t.data_ptr() != base + i * step):
-            return None
-    try:  # a view of the first part's storage, which must hold them all
-        return first.as_strided((n * numel,), (1,))
-    except RuntimeError:
-        return None
-
-
 #: Largest list (bytes) whose spanning view a group remembers between calls.
 SPAN_MEMO_BYTES = 64 << 10
 
 
-def _span(g: Group, op: str, parts, like: torch.Tensor) -> Optional[torch.Tensor]:
-    """:func:`_spanning` of ``parts`` (``g.size`` tensors like ``like``),
-    remembered per group and op for a small list: the same list (the same
-    tensors at the same addresses) next time reuses its view without the checks."""
+def _span(g: Group, op: str, parts, kind: tuple) -> Optional[torch.Tensor]:
+    """One flat tensor over ``parts`` if they are ``g.size`` tensors of
+    ``kind`` (nbytes, dtype) lying back to back in memory (as ``x.chunk(n)``
+    makes them), else None: the general path checks and copies. A group
+    remembers the view of its last small list per op: a list at the same
+    address next time reuses it (the view keeps that memory allocated, so
+    the same address is the same memory)."""
+    nbytes, dtype = kind
+    at = _span_at(parts, g.size, dtype, nbytes)
+    if at is None:
+        return None
     key = (op, "span")
-    memo = g.starters.get(key)  # ((tensor, address), ...), view, its dtype, its bytes per part
-    if (memo is not None and type(parts) in (list, tuple) and len(parts) == len(memo[0])
-            and memo[2] is like.dtype and memo[3] == like.nbytes):
-        for t, (known, address) in zip(parts, memo[0]):
-            if t is not known or t.data_ptr() != address:
-                break
-        else:
-            return memo[1]
-    whole = _spanning(parts, like, g.size)
-    if whole is not None and whole.nbytes <= SPAN_MEMO_BYTES:
-        _remember(g, key, (tuple((p, p.data_ptr()) for p in parts), whole, whole.dtype, like.nbytes))
+    memo = g.starters.get(key)  # (address, kind, view)
+    if memo is not None and memo[0] == at and memo[1] == kind:
+        return memo[2]
+    try:  # a view of the first part's storage, which must hold them all
+        whole = parts[0].as_strided((g.size * parts[0].numel(),), (1,))
+    except RuntimeError:
+        return None
+    if nbytes * g.size <= SPAN_MEMO_BYTES:
+        _remember(g, key, (at, kind, whole))
     return whole
 
 
@@ -992,11 +964,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     concatenate what arrives into ``output`` (uneven with split sizes)."""
     rt = _runtime
     g = _fast_group(rt, group, async_op, backend)
-    if (g is not None and isinstance(input, torch.Tensor) and isinstance(output, torch.Tensor)
-            and input.is_cpu and output.is_cpu and input.is_contiguous() and output.is_contiguous()
-            and _disjoint(input, output)):
+    both = None if g is None else _pair(input, output)  # (aliased buffers: the general path copies)
+    if both is not None:
         even = not output_split_sizes and not input_split_sizes
-        key = ("all_to_all_single", input.shape, output.shape, input.dtype, output.dtype, backend, even)
+        key = ("all_to_all_single", both, backend, even)
         plan = g.starters.get(key)
         if plan is None:
             plan = _remember(g, key, _all_to_all_plan(rt, g, output, input, backend, even))
@@ -1005,8 +976,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
             if even:
                 out_counts = in_counts = None
             else:
-                out_counts = _counts(output_split_sizes, g.size, output, row)
-                in_counts = _counts(input_split_sizes, g.size, input, row)
+                out_counts = _counts(output_split_sizes, g.size, both[5], row)
+                in_counts = _counts(input_split_sizes, g.size, both[2], row)
                 if out_counts is None or in_counts is None:  # the general path names what is wrong
                     return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
                                               async_op, backend)
@@ -1014,7 +985,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
             if rt.logger is not None and not even:
                 counts = [c * input.element_size() for c in in_counts]
             _block(rt, g, "all_to_all_single", name, run, (output, input, out_counts, in_counts),
-                   input.nbytes, (input,), (output,), counts=counts)
+                   both[0], (input,), (output,), counts=counts)
             return None
     return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op, backend)
 
@@ -1038,9 +1009,9 @@ def _all_to_all_plan(rt: Runtime, g: Group, output: torch.Tensor, input: torch.T
     return plan and (*plan, row)
 
 
-def _counts(splits, size: int, t: torch.Tensor, row: int) -> Optional[list]:
-    """Elements per peer from valid split sizes of ``t`` (a list of ``size``
-    non-negative ints summing to its rows), else None."""
+def _counts(splits, size: int, shape: tuple, row: int) -> Optional[list]:
+    """Elements per peer from valid split sizes of a tensor of ``shape`` (a
+    list of ``size`` non-negative ints summing to its rows), else None."""
     if type(splits) is not list or len(splits) != size:
         return None
     total = 0
@@ -1048,7 +1019,7 @@ def _counts(splits, size: int, t: torch.Tensor, row: int) -> Optional[list]:
         if type(s) is not int or s < 0:
             return None
         total += s
-    if total * row != t.numel():
+    if total * row != (shape[0] if shape else 1) * row:
         return None
     return splits if row == 1 else [s * row for s in splits]
 
@@ -1228,11 +1199,11 @@ def _p2p_fast(op: str, tensor, peer, group, tag, backend, async_op: bool = False
     isend/irecv (their Work); None when the call must take the general path."""
     rt = _runtime
     g = _fast_group(rt, group, async_op, backend, async_ok=True)
-    if (g is None or type(peer) is not int or type(tag) is not int
-            or not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or not tensor.is_contiguous()):
+    kind = None if g is None or type(peer) is not int or type(tag) is not int else _key(tensor)
+    if kind is None:
         return None
-    nbytes = tensor.nbytes
-    key = (op, nbytes, tensor.dtype, backend, peer, tag)
+    nbytes = kind[0]
+    key = (op, kind, backend, peer, tag)
     name, start, gpeer = g.starters.get(key) or _remember(
         g, key, _p2p_fast_plan(rt, g, op, tensor, peer, tag, backend, async_op))
     reads, writes = ((tensor,), ()) if op in _SENDS else ((), (tensor,))

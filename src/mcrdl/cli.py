@@ -51,6 +51,8 @@ def _cmd_info(args) -> int:
         console = Console()
         console.print(table)
         console.print(f"torch {torch.__version__}, mpi4py {mpi4py.__version__}, Python {sys.version.split()[0]}")
+        from . import facts
+        console.print(f"fast-path tensor checks: {facts.status()}")
         if "mpi" in versions:
             from .backends import native
             console.print(f"MPI hot path: {native.status()}")

@@ -1,25 +1,21 @@
 """The compiled MPI hot path (mpi_native.c): built once per machine with the
-MPI compiler of the library mpi4py runs on, cached, loaded by the MPI backend.
+MPI compiler of the library mpi4py runs on, cached, loaded by the MPI backend
+(see :mod:`mcrdl.compiled`).
 
 ``MCRDL_NATIVE=0`` turns it off; without a compiler, or when the built module
 links a different MPI than mpi4py's, the pure-Python path runs instead (same
-results; :func:`status` says which and why). Builds write a private file and
-rename it into place: ranks building at once never see a partial module and no
-lock can go stale.
+results; :func:`status` says which and why).
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.machinery
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from typing import Optional
 
+from .. import compiled
 from ..types import CommError
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_native.c")
@@ -42,40 +38,20 @@ def mpicc() -> Optional[str]:
     return None
 
 
-def cache_dir() -> str:
-    return os.environ.get("MCRDL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcrdl")
-
-
 def _target(cc: str, mpi_version: str) -> str:
     """Cached module path, keyed by everything the binary depends on."""
     import mpi4py
 
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read())
-    for part in (os.path.realpath(cc), mpi_version, sys.version, mpi4py.__version__):
-        key.update(part.encode())
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    return os.path.join(cache_dir(), "native", key.hexdigest()[:16], MODULE + suffix)
+    return compiled.target("native", MODULE, SOURCE,
+                           (os.path.realpath(cc), mpi_version, sys.version, mpi4py.__version__))
 
 
 def build(cc: str, target: str) -> None:
-    """Compile mpi_native.c into ``target`` (atomically); raises on failure."""
+    """Compile mpi_native.c into ``target``; raises on failure."""
     import mpi4py
 
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".so.tmp")
-    os.close(fd)
-    try:
-        cmd = [cc, "-O2", "-shared", "-fPIC", "-I" + sysconfig.get_paths()["include"],
-               "-I" + mpi4py.get_include(), SOURCE, "-o", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    compiled.build([cc, "-O2", "-shared", "-fPIC", "-I" + sysconfig.get_paths()["include"],
+                    "-I" + mpi4py.get_include(), SOURCE], target, BUILD_TIMEOUT_S)
 
 
 def load():
@@ -107,10 +83,8 @@ def _load() -> tuple:
             build(cc, target)
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             return None, f"build failed ({str(exc).splitlines()[0]}): pure-Python path"
-    spec = importlib.util.spec_from_file_location(MODULE, target)
-    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(module)
+        module = compiled.load(MODULE, target)
     except ImportError as exc:
         return None, f"cannot load {target} ({exc}): pure-Python path"
     if module.library_version() != mpi_version:

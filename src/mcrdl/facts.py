@@ -1,0 +1,124 @@
+"""The facts the fast paths key their plans on (api.py, "fast paths"), read
+from the tensors in one call: :func:`key`, :func:`pair`, :func:`span`.
+
+These are the pure-Python versions. :func:`load` returns the same functions
+compiled from facts.cpp against the installed torch (one call, no attribute
+reads from Python: 60-240 ns each here, 5 to 20 per fast-path call), built
+once per machine into mcrdl's cache (:mod:`mcrdl.compiled`); without a C++
+compiler, when the build fails, or with ``MCRDL_NATIVE=0`` these run instead,
+with the same results (tests/test_facts.py checks both on the same tensors).
+A tensor qualifies when it is a strided, contiguous CPU tensor with storage
+and no Python dispatch (wrapper subclasses take the general path).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from types import ModuleType
+from typing import Optional, Sequence
+
+import torch
+
+from . import compiled
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "facts.cpp")
+MODULE = "mcrdl_facts"
+BUILD_TIMEOUT_S = 600
+
+_loaded: Optional[tuple] = None  # (module, status line)
+_PLAIN = torch.Tensor.__torch_dispatch__  # subclasses that define their own dispatch to Python
+
+
+def _usable(t) -> bool:
+    return (isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is _PLAIN and t.layout is torch.strided
+            and t.is_cpu and t.is_contiguous())
+
+
+def key(t) -> Optional[tuple]:
+    """(nbytes, dtype) of a qualifying tensor, else None."""
+    return (t.nbytes, t.dtype) if _usable(t) else None
+
+
+def pair(a, b) -> Optional[tuple]:
+    """(a's nbytes, dtype, shape, b's nbytes, dtype, shape) of two qualifying
+    tensors that share no byte, else None."""
+    if not (_usable(a) and _usable(b)):
+        return None
+    pa, pb, na, nb = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
+    if pa < pb + nb and pb < pa + na:
+        return None
+    return na, a.dtype, tuple(a.shape), nb, b.dtype, tuple(b.shape)
+
+
+def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int) -> Optional[int]:
+    """The address of ``parts[0]`` when ``parts`` is a list or tuple of ``n``
+    qualifying tensors of ``dtype`` and ``nbytes`` bytes each, none requiring
+    grad, lying back to back in memory (``x.chunk(n)`` makes them); else None."""
+    if type(dtype) is not torch.dtype:
+        raise TypeError("span: dtype must be a torch.dtype")
+    if type(parts) not in (list, tuple) or n < 1 or len(parts) != n:
+        return None
+    base = None
+    for i, t in enumerate(parts):
+        if not _usable(t) or t.dtype is not dtype or t.nbytes != nbytes or t.requires_grad:
+            return None
+        at = t.data_ptr()
+        if base is None:
+            base = at
+        elif at != base + i * nbytes:
+            return None
+    return base
+
+
+def load() -> ModuleType:
+    """The compiled functions, or this module (the reason is in :func:`status`)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded[0]
+
+
+def status() -> str:
+    """One line: are the fast paths' tensor checks compiled, and if not, why."""
+    load()
+    return _loaded[1]
+
+
+def cxx() -> Optional[list[str]]:
+    """The C++ compiler: $CXX, Python's build configuration's, else c++ or g++ on PATH."""
+    for candidate in (os.environ.get("CXX"), sysconfig.get_config_var("CXX")):
+        if candidate and shutil.which(shlex.split(candidate)[0]):
+            return shlex.split(candidate)
+    found = shutil.which("c++") or shutil.which("g++")
+    return [found] if found else None
+
+
+def _load() -> tuple:
+    here = sys.modules[__name__]
+    if os.environ.get("MCRDL_NATIVE", "1") == "0":
+        return here, "off (MCRDL_NATIVE=0): pure Python"
+    compiler = cxx()
+    if compiler is None:
+        return here, "no C++ compiler (set CXX): pure Python"
+    root = os.path.dirname(torch.__file__)
+    target = compiled.target("facts", MODULE, SOURCE, (os.path.realpath(compiler[0]), torch.__version__, root,
+                                                       sys.version))
+    if not os.path.exists(target):
+        abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+        cmd = [*compiler, "-O2", "-shared", "-fPIC", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               "-I" + sysconfig.get_paths()["include"], "-I" + os.path.join(root, "include"),
+               "-I" + os.path.join(root, "include", "torch", "csrc", "api", "include"), SOURCE,
+               "-L" + os.path.join(root, "lib"), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+               "-Wl,-rpath," + os.path.join(root, "lib")]
+        try:
+            compiled.build(cmd, target, BUILD_TIMEOUT_S)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            return here, f"build failed ({str(exc).splitlines()[0][:200]}): pure Python"
+    try:
+        return compiled.load(MODULE, target), f"compiled ({target})"
+    except ImportError as exc:
+        return here, f"cannot load {target} ({exc}): pure Python"

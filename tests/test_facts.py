@@ -1,0 +1,138 @@
+"""The fast paths' tensor checks (mcrdl/facts.py): the compiled functions and
+their pure-Python fallback give the same answers on the same tensors, and the
+compiled module builds into an empty cache, is reused, and falls back when
+there is no compiler."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mcrdl import facts
+
+COMPILED = facts.load()
+HAS_CXX = shutil.which("c++") is not None or shutil.which("g++") is not None
+
+
+class Dispatching(torch.Tensor):
+    """A subclass with its own dispatch (as DTensor and FakeTensor have)."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors():
+    base = torch.arange(24, dtype=torch.float32)
+    grid = base.view(4, 6)
+    return {
+        "float32": base, "0-d": torch.tensor(3.0), "empty": torch.zeros(0), "empty 2-d": torch.zeros(0, 5),
+        "bool": torch.zeros(5, dtype=torch.bool), "bfloat16": torch.zeros(7, dtype=torch.bfloat16),
+        "int64 2-d": torch.zeros(3, 4, dtype=torch.int64), "slice": base[4:10], "strided": base[::2],
+        "transposed": grid.t(), "row": grid[1], "column": grid[:, 1],
+        "channels_last": torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "requires_grad": torch.zeros(4, requires_grad=True), "parameter": torch.nn.Parameter(torch.zeros(4)),
+        "sparse": torch.zeros(4).to_sparse(), "meta": torch.empty(4, device="meta"),
+        "dispatching subclass": torch.zeros(4).as_subclass(Dispatching),
+        "numpy": np.zeros(4, dtype=np.float32), "int": 4, "None": None,
+    }
+
+
+TENSORS = _tensors()
+CPU_ONLY = ("numpy", "int", "None")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    if COMPILED is facts:
+        if HAS_CXX and os.environ.get("MCRDL_NATIVE", "1") != "0":
+            pytest.fail(f"a C++ compiler is here but the checks are not compiled: {facts.status()}")
+        pytest.skip(facts.status())
+    return COMPILED
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_key(compiled, name):
+    t = TENSORS[name]
+    expected = facts.key(t)
+    assert compiled.key(t) == expected
+    if name in ("float32", "0-d", "empty", "empty 2-d", "bool", "bfloat16", "int64 2-d", "slice", "row",
+                "requires_grad", "parameter"):
+        assert expected == (t.nbytes, t.dtype), name
+    else:
+        assert expected is None, name
+
+
+def test_pair(compiled):
+    buf = torch.zeros(16)
+    cases = {
+        "disjoint": (buf[:8], buf[8:]), "overlapping": (buf[:9], buf[8:]), "same": (buf, buf),
+        "separate": (torch.zeros(2, 3), torch.zeros(6, dtype=torch.int32)), "empty inside": (buf[4:4], buf),
+        "one strided": (buf[::2], torch.zeros(8)), "one not a tensor": (buf, 3),
+    }
+    for name, (a, b) in cases.items():
+        expected = facts.pair(a, b)
+        assert compiled.pair(a, b) == expected, name
+        if name in ("disjoint", "separate", "empty inside"):
+            assert expected == (a.nbytes, a.dtype, tuple(a.shape), b.nbytes, b.dtype, tuple(b.shape)), name
+        else:
+            assert expected is None, name
+
+
+def test_span(compiled):
+    buf = torch.zeros(12)
+    parts = list(buf.chunk(3))
+    other = torch.zeros(4)
+    grad = torch.zeros(12, requires_grad=True)
+    cases = {
+        "chunks": (parts, 3, torch.float32, 16), "tuple": (tuple(parts), 3, torch.float32, 16),
+        "reversed": (parts[::-1], 3, torch.float32, 16), "gap": (list(buf.chunk(4))[::2] + [other], 3,
+                                                                  torch.float32, 16),
+        "too few": (parts[:2], 3, torch.float32, 16), "wrong size": (parts, 3, torch.float32, 12),
+        "wrong dtype": (parts, 3, torch.float64, 16), "generator": ((p for p in parts), 3, torch.float32, 16),
+        "not a tensor": (parts[:2] + [1], 3, torch.float32, 16), "none": ([], 0, torch.float32, 16),
+        "requires grad": (list(grad.chunk(3)), 3, torch.float32, 16),
+        "one": ([other], 1, torch.float32, 16),
+    }
+    for name, args in cases.items():
+        expected = facts.span(*args)
+        assert compiled.span(*args) == expected, name
+        if name in ("chunks", "tuple"):
+            assert expected == buf.data_ptr(), name
+        elif name == "one":
+            assert expected == other.data_ptr()
+        else:
+            assert expected is None, name
+    for module in (facts, compiled):
+        with pytest.raises(TypeError, match="dtype"):
+            module.span(parts, 3, "float32", 16)
+
+
+STATUS = "from mcrdl import facts; print(facts.status())"
+
+
+def _status(cache, **env):
+    proc = subprocess.run([sys.executable, "-c", STATUS], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "MCRDL_CACHE": str(cache), **env})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip()
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
+def test_builds_into_an_empty_cache_and_is_reused(tmp_path):
+    first = _status(tmp_path)
+    assert first.startswith(f"compiled ({tmp_path}"), first
+    built = [f for _, _, files in os.walk(tmp_path) for f in files if f != ".lock"]
+    assert len(built) == 1 and built[0].endswith(".so"), built  # no temporary file left
+    module = first[len("compiled ("):-1]
+    made = os.stat(module).st_mtime_ns
+    assert _status(tmp_path) == first and os.stat(module).st_mtime_ns == made  # reused, not rebuilt
+
+
+def test_without_a_compiler_the_python_checks_run(tmp_path):
+    status = _status(tmp_path, CXX="/bin/false")
+    assert status.startswith("build failed (") and status.endswith("pure Python"), status
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files if f != ".lock"]
