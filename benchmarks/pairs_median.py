@@ -1,0 +1,50 @@
+"""Median over pairs of the hotpath.py table lines that latency_vs_commit.sh
+keeps (KEEP='│'): one markdown row per op, each cell "REV → this tree" for
+back to back and for barrier between, per size; then how many cells fell.
+
+    BENCH=hotpath.py KEEP='│' bash benchmarks/latency_vs_commit.sh REV 5 4,1K > out.txt
+    python benchmarks/pairs_median.py out.txt
+"""
+from __future__ import annotations
+
+import collections
+import re
+import statistics
+import sys
+
+
+def medians(path: str) -> dict:
+    """{(op, cell index, tree label): [ratio per pair]}"""
+    found, tree = collections.defaultdict(list), None
+    with open(path) as f:
+        for line in f:
+            pair = re.match(r"== pair \d+: (.*)", line)
+            if pair:
+                tree = pair.group(1).strip()
+            elif line.startswith("│"):
+                op, *cells = [c.strip() for c in line.strip().strip("│").split("│")]
+                ratios = [float(v.strip().rstrip("x")) for c in cells for v in c.split("/")]
+                for i, r in enumerate(ratios):
+                    found[(op, i, tree)].append(r)
+    return found
+
+
+def main(path: str) -> None:
+    found = medians(path)
+    before, after = sorted({k[2] for k in found}, key=lambda t: t == "this tree")
+    fell = rose = 0
+    changes = []
+    for op in dict.fromkeys(k[0] for k in found):
+        cells = []
+        for i in range(1 + max(k[1] for k in found if k[0] == op)):
+            a, b = (statistics.median(found[(op, i, t)]) for t in (before, after))
+            cells.append(f"{a:.2f} → {b:.2f}")
+            fell, rose = fell + (b < a), rose + (b > a)
+            changes.append(b / a)
+        print(f"| {op} | " + " | ".join(cells) + " |")
+    print(f"\n{fell} cells fell, {rose} rose; median change {statistics.median(changes):.3f}x "
+          f"({before} → {after}, medians over pairs)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
