@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml requirements-pinned.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-pinned.txt
 	$(BIN)/pip install -q -e '.[test,plot]'
-	$(BIN)/mcrdl info  # builds the compiled MPI hot path once (see docs/performance.md)
+	$(BIN)/mcrdl info  # builds the compiled hot path once (docs/design.md, "The hot path")
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -107,8 +107,9 @@ def test_span(compiled):
         else:
             assert expected is None, name
     for module in (facts, compiled):
-        with pytest.raises(TypeError, match="dtype"):
-            module.span(parts, 3, "float32", 16)
+        for listed in (parts, (p for p in parts)):
+            with pytest.raises(TypeError, match="dtype"):
+                module.span(listed, 3, "float32", 16)
 
 
 STATUS = "from mcrdl import facts; print(facts.status())"

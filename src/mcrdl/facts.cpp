@@ -87,12 +87,12 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
         return nullptr;
     }
     PyObject *parts = args[0];
-    if (!PyList_CheckExact(parts) && !PyTuple_CheckExact(parts))
-        Py_RETURN_NONE;
     if (!THPDtype_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "span: dtype must be a torch.dtype");
         return nullptr;
     }
+    if (!PyList_CheckExact(parts) && !PyTuple_CheckExact(parts))
+        Py_RETURN_NONE;
     Py_ssize_t count = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[3]);
     if ((count == -1 || step == -1) && PyErr_Occurred())
         return nullptr;
