@@ -137,3 +137,61 @@ def test_without_a_compiler_the_python_checks_run(tmp_path):
     status = _status(tmp_path, CXX="/bin/false")
     assert status.startswith("build failed (") and status.endswith("pure Python"), status
     assert not [f for _, _, files in os.walk(tmp_path) for f in files if f != ".lock"]
+
+
+def test_nested_and_storage_less_tensors_take_the_general_path(compiled):
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    for module in (facts, compiled):  # (compiled: a torch error must not abort the process)
+        assert module.key(nested) is None and module.pair(nested, torch.zeros(4)) is None
+        assert module.span([nested], 1, torch.float32, 8) is None
+    seen = []
+
+    def inside(x):  # vmap's batched tensors have no storage
+        seen.append((facts.key(x), compiled.key(x), facts.pair(x, torch.zeros(2)),
+                     compiled.pair(x, torch.zeros(2))))
+        return x
+
+    torch.func.vmap(inside)(torch.zeros(3, 4))
+    assert seen == [(None, None, None, None)]
+
+
+def test_span_memo_is_not_reused_once_its_memory_was_freed():
+    """A group remembers the view over its last list by address; a list that
+    later lies at that address after the view's storage was freed in place
+    (as FSDP frees parameters) must get a view of its own memory."""
+    from types import SimpleNamespace
+
+    from mcrdl import api
+
+    g, kind = SimpleNamespace(size=4, starters={}), (16, torch.float32)
+    for _ in range(20):
+        old = torch.zeros(1 << 22)
+        at = old.data_ptr()
+        assert api._span(g, "all_gather", list(old[:16].chunk(4)), kind).data_ptr() == at
+        old.untyped_storage().resize_(0)
+        del old
+        new = torch.zeros(1 << 22)
+        if new.data_ptr() == at:  # the allocator handed the freed memory out again
+            whole = api._span(g, "all_gather", list(new[:16].chunk(4)), kind)
+            assert whole is not None and whole.data_ptr() == new.data_ptr()
+            whole.fill_(7)
+            assert torch.equal(new[:16], torch.full((16,), 7.0))
+            return
+    pytest.skip("the allocator never handed the same address out again")
+
+
+def test_ranks_waiting_on_a_failed_build_do_not_compile_again(tmp_path):
+    """Two processes start at once with a compiler that fails after a while:
+    one compiles, the other waits for it and then falls back without
+    compiling again (each rank of a node would otherwise compile in turn)."""
+    count = tmp_path / "invocations"
+    compiler = tmp_path / "slow-failing-c++"
+    compiler.write_text(f"#!/bin/sh\necho run >> {count}\nsleep 3\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {**os.environ, "MCRDL_CACHE": str(tmp_path / "cache"), "CXX": str(compiler)}
+    procs = [subprocess.Popen([sys.executable, "-c", STATUS], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    statuses = sorted(p.communicate(timeout=120)[0].strip() for p in procs)
+    assert count.read_text().count("run") == 1, statuses
+    assert all(s.startswith("build failed (") and s.endswith("pure Python") for s in statuses), statuses
+    assert any("another process" in s for s in statuses), statuses

@@ -937,15 +937,16 @@ def _span(g: Group, op: str, parts, kind: tuple) -> Optional[torch.Tensor]:
     ``kind`` (nbytes, dtype) lying back to back in memory (as ``x.chunk(n)``
     makes them), else None: the general path checks and copies. A group
     remembers the view of its last small list per op: a list at the same
-    address next time reuses it (the view keeps that memory allocated, so
-    the same address is the same memory)."""
+    address next time reuses it while the view is still there (its storage
+    keeps that memory allocated unless it was resized or freed in place, as
+    FSDP frees parameters: then the view has moved and is not reused)."""
     nbytes, dtype = kind
     at = _span_at(parts, g.size, dtype, nbytes)
     if at is None:
         return None
     key = (op, "span")
     memo = g.starters.get(key)  # (address, kind, view)
-    if memo is not None and memo[0] == at and memo[1] == kind:
+    if memo is not None and memo[0] == at and memo[1] == kind and memo[2].data_ptr() == at:
         return memo[2]
     try:  # a view of the first part's storage, which must hold them all
         whole = parts[0].as_strided((g.size * parts[0].numel(),), (1,))

@@ -3,9 +3,11 @@ facts.cpp): each is compiled once per machine into a cache directory keyed by
 everything the binary depends on, then loaded from there.
 
 One process compiles while the others wait on a lock file (``flock``: the
-kernel drops it when its holder dies, so it cannot go stale), and the module
-is written to a private file and renamed into place, so no process ever loads
-a partial one. Callers fall back to pure Python when a build fails.
+kernel drops it when its holder dies, so it cannot go stale) and then load
+its module, or fall back with it when its build failed (the next job tries
+again). The module is written to a private file and renamed into place, so
+no process ever loads a partial one. Callers fall back to pure Python when a
+build fails.
 """
 from __future__ import annotations
 
@@ -41,9 +43,16 @@ def build(cmd: list[str], target: str, timeout: float) -> None:
     folder = os.path.dirname(target)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            waited = False
+        except BlockingIOError:  # another process is building: wait for it
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            waited = True
         if os.path.exists(target):
             return
+        if waited:  # (not again: each waiting rank would compile in turn)
+            raise RuntimeError("the build another process ran at the same time failed")
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
         os.close(fd)
         try:

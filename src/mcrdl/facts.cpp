@@ -2,10 +2,11 @@
 // C++ (facts.py has the same functions in Python, the fallback): from Python
 // each torch attribute read costs 60-240 ns, and a fast path made 5 to 20 of
 // them per call. A tensor qualifies when it is a strided CPU tensor that is
-// contiguous, has storage and no Python dispatch (a wrapper subclass takes the
-// general path).
+// contiguous, not nested, has storage and no Python dispatch (a wrapper
+// subclass takes the general path). torch's errors raise as they do in Python.
 #include <Python.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace {
@@ -15,7 +16,7 @@ const at::Tensor *usable(PyObject *o)
     if (!THPVariable_Check(o))
         return nullptr;
     const at::Tensor &t = THPVariable_Unpack(o);
-    if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu() || !t.has_storage()
+    if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu() || t.is_nested() || !t.has_storage()
         || t.key_set().has(c10::DispatchKey::Python) || !t.is_contiguous())
         return nullptr;
     return &t;
@@ -46,17 +47,20 @@ PyObject *shape_of(const at::Tensor &t)
 // key(t): (nbytes, dtype) of a qualifying tensor, else None.
 PyObject *key(PyObject *, PyObject *o)
 {
+    HANDLE_TH_ERRORS
     const at::Tensor *t = usable(o);
     if (t == nullptr)
         Py_RETURN_NONE;
     PyObject *nbytes = PyLong_FromSize_t(t->nbytes());
     return nbytes == nullptr ? nullptr : Py_BuildValue("(NN)", nbytes, dtype_of(*t));
+    END_HANDLE_TH_ERRORS
 }
 
 // pair(a, b): (a's nbytes, dtype, shape, b's nbytes, dtype, shape) of two
 // qualifying tensors that share no byte, else None.
 PyObject *pair(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
+    HANDLE_TH_ERRORS
     if (n != 2) {
         PyErr_Format(PyExc_TypeError, "pair takes 2 arguments (%zd given)", n);
         return nullptr;
@@ -75,6 +79,7 @@ PyObject *pair(PyObject *, PyObject *const *args, Py_ssize_t n)
     }
     return Py_BuildValue("(nNNnNN)", static_cast<Py_ssize_t>(na), dtype_of(*a), sa,
                          static_cast<Py_ssize_t>(nb), dtype_of(*b), sb);
+    END_HANDLE_TH_ERRORS
 }
 
 // span(parts, n, dtype, nbytes): the address of parts[0] when parts is a list
@@ -82,6 +87,7 @@ PyObject *pair(PyObject *, PyObject *const *args, Py_ssize_t n)
 // lying back to back in memory (x.chunk(n) makes them); else None.
 PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
+    HANDLE_TH_ERRORS
     if (n != 4) {
         PyErr_Format(PyExc_TypeError, "span takes 4 arguments (%zd given)", n);
         return nullptr;
@@ -113,6 +119,7 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
             Py_RETURN_NONE;
     }
     return PyLong_FromSize_t(base);
+    END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef methods[] = {

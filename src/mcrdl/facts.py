@@ -7,8 +7,8 @@ reads from Python: 60-240 ns each here, 5 to 20 per fast-path call), built
 once per machine into mcrdl's cache (:mod:`mcrdl.compiled`); without a C++
 compiler, when the build fails, or with ``MCRDL_NATIVE=0`` these run instead,
 with the same results (tests/test_facts.py checks both on the same tensors).
-A tensor qualifies when it is a strided, contiguous CPU tensor with storage
-and no Python dispatch (wrapper subclasses take the general path).
+A tensor qualifies when it is a strided, contiguous CPU tensor, not nested,
+with storage and no Python dispatch (wrapper subclasses take the general path).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ _PLAIN = torch.Tensor.__torch_dispatch__  # subclasses that define their own dis
 
 def _usable(t) -> bool:
     return (isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is _PLAIN and t.layout is torch.strided
-            and t.is_cpu and t.is_contiguous())
+            and t.is_cpu and not t.is_nested and torch._C._has_storage(t) and t.is_contiguous())
 
 
 def key(t) -> Optional[tuple]:
