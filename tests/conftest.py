@@ -19,3 +19,30 @@ def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0):
     if expect_rc is not None and proc.returncode != expect_rc:
         pytest.fail(f"{script} on {nprocs} ranks exited {proc.returncode}:\n{out[-6000:]}")
     return out
+
+
+def compiled_status(module, cache, **env):
+    """``module.status()`` of a compiled helper (mcrdl.facts, mcrdl.backends.native),
+    in a fresh process building into ``cache``."""
+    proc = subprocess.run([sys.executable, "-c", f"from {module} import status; print(status())"],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "MCRDL_CACHE": str(cache), **env})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip()
+
+
+def cached_files(cache):
+    """The files a build left in ``cache`` (its lock file aside)."""
+    return [f for _, _, files in os.walk(cache) for f in files if f != ".lock"]
+
+
+def check_built_once_and_reused(module, cache):
+    """An empty ``cache`` gets one module and no temporary file; a second
+    process loads it without building again."""
+    first = compiled_status(module, cache)
+    assert first.startswith(f"compiled ({cache}"), first
+    built = cached_files(cache)
+    assert len(built) == 1 and built[0].endswith(".so"), built
+    path = first[len("compiled ("):-1]
+    made = os.stat(path).st_mtime_ns
+    assert compiled_status(module, cache) == first and os.stat(path).st_mtime_ns == made

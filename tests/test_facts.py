@@ -13,6 +13,8 @@ import torch
 
 from mcrdl import facts
 
+from conftest import cached_files, check_built_once_and_reused, compiled_status
+
 COMPILED = facts.load()
 HAS_CXX = shutil.which("c++") is not None or shutil.which("g++") is not None
 
@@ -115,28 +117,15 @@ def test_span(compiled):
 STATUS = "from mcrdl import facts; print(facts.status())"
 
 
-def _status(cache, **env):
-    proc = subprocess.run([sys.executable, "-c", STATUS], capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "MCRDL_CACHE": str(cache), **env})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.strip()
-
-
 @pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
 def test_builds_into_an_empty_cache_and_is_reused(tmp_path):
-    first = _status(tmp_path)
-    assert first.startswith(f"compiled ({tmp_path}"), first
-    built = [f for _, _, files in os.walk(tmp_path) for f in files if f != ".lock"]
-    assert len(built) == 1 and built[0].endswith(".so"), built  # no temporary file left
-    module = first[len("compiled ("):-1]
-    made = os.stat(module).st_mtime_ns
-    assert _status(tmp_path) == first and os.stat(module).st_mtime_ns == made  # reused, not rebuilt
+    check_built_once_and_reused("mcrdl.facts", tmp_path)
 
 
 def test_without_a_compiler_the_python_checks_run(tmp_path):
-    status = _status(tmp_path, CXX="/bin/false")
+    status = compiled_status("mcrdl.facts", tmp_path, CXX="/bin/false")
     assert status.startswith("build failed (") and status.endswith("pure Python"), status
-    assert not [f for _, _, files in os.walk(tmp_path) for f in files if f != ".lock"]
+    assert not cached_files(tmp_path)
 
 
 def test_nested_and_storage_less_tensors_take_the_general_path(compiled):

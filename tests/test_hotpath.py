@@ -5,30 +5,17 @@ import sys
 
 import pytest
 
-STATUS = "from mcrdl.backends import native; print(native.status())"
-
-
-def _status(tmp_path, **env):
-    proc = subprocess.run([sys.executable, "-c", STATUS], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "MCRDL_CACHE": str(tmp_path), **env})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.strip()
+from conftest import cached_files, check_built_once_and_reused, compiled_status
 
 
 def test_hot_path_builds_into_an_empty_cache_and_is_reused(tmp_path):
-    first = _status(tmp_path)
-    assert first.startswith(f"compiled ({tmp_path}"), first
-    built = [f for _, _, files in os.walk(tmp_path) for f in files if f != ".lock"]
-    assert len(built) == 1 and built[0].endswith(".so"), built  # no temporary file left
-    module = first[len("compiled ("):-1]
-    made = os.stat(module).st_mtime_ns
-    assert _status(tmp_path) == first and os.stat(module).st_mtime_ns == made  # reused, not rebuilt
+    check_built_once_and_reused("mcrdl.backends.native", tmp_path)
 
 
 def test_without_a_compiler_the_pure_python_path_runs(tmp_path):
-    status = _status(tmp_path, MPICC="/bin/false")
+    status = compiled_status("mcrdl.backends.native", tmp_path, MPICC="/bin/false")
     assert status.startswith("build failed (") and status.endswith("pure-Python path"), status
-    assert not [f for _, _, files in os.walk(tmp_path) for f in files if f != ".lock"]
+    assert not cached_files(tmp_path)
 
 
 @pytest.mark.parametrize("nprocs,policy,expected", [

@@ -44,6 +44,13 @@ PyObject *shape_of(const at::Tensor &t)
     return shape;
 }
 
+bool nargs(const char *name, Py_ssize_t given, Py_ssize_t wanted)
+{
+    if (given != wanted)
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, wanted, given);
+    return given == wanted;
+}
+
 // key(t): (nbytes, dtype) of a qualifying tensor, else None.
 PyObject *key(PyObject *, PyObject *o)
 {
@@ -61,10 +68,8 @@ PyObject *key(PyObject *, PyObject *o)
 PyObject *pair(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
     HANDLE_TH_ERRORS
-    if (n != 2) {
-        PyErr_Format(PyExc_TypeError, "pair takes 2 arguments (%zd given)", n);
+    if (!nargs("pair", n, 2))
         return nullptr;
-    }
     const at::Tensor *a = usable(args[0]), *b = usable(args[1]);
     if (a == nullptr || b == nullptr)
         Py_RETURN_NONE;
@@ -88,10 +93,8 @@ PyObject *pair(PyObject *, PyObject *const *args, Py_ssize_t n)
 PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
     HANDLE_TH_ERRORS
-    if (n != 4) {
-        PyErr_Format(PyExc_TypeError, "span takes 4 arguments (%zd given)", n);
+    if (!nargs("span", n, 4))
         return nullptr;
-    }
     PyObject *parts = args[0];
     if (!THPDtype_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "span: dtype must be a torch.dtype");

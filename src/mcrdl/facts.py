@@ -12,6 +12,7 @@ with storage and no Python dispatch (wrapper subclasses take the general path).
 """
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import shutil
@@ -29,7 +30,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "facts.cpp")
 MODULE = "mcrdl_facts"
 BUILD_TIMEOUT_S = 600
 
-_loaded: Optional[tuple] = None  # (module, status line)
 _PLAIN = torch.Tensor.__torch_dispatch__  # subclasses that define their own dispatch to Python
 
 
@@ -76,16 +76,12 @@ def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int) -> Optional[i
 
 def load() -> ModuleType:
     """The compiled functions, or this module (the reason is in :func:`status`)."""
-    global _loaded
-    if _loaded is None:
-        _loaded = _load()
-    return _loaded[0]
+    return _load()[0]
 
 
 def status() -> str:
     """One line: are the fast paths' tensor checks compiled, and if not, why."""
-    load()
-    return _loaded[1]
+    return _load()[1]
 
 
 def cxx() -> Optional[list[str]]:
@@ -97,6 +93,7 @@ def cxx() -> Optional[list[str]]:
     return [found] if found else None
 
 
+@functools.cache  # (module, status line), once per process
 def _load() -> tuple:
     here = sys.modules[__name__]
     if os.environ.get("MCRDL_NATIVE", "1") == "0":

@@ -8,6 +8,7 @@ results; :func:`status` says which and why).
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -22,7 +23,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_native.c"
 MODULE = "mcrdl_mpi_native"
 BUILD_TIMEOUT_S = 120
 
-_loaded: Optional[tuple] = None  # (module or None, status line)
 
 
 def mpicc() -> Optional[str]:
@@ -56,18 +56,15 @@ def build(cc: str, target: str) -> None:
 
 def load():
     """The native module, or None (the reason is in :func:`status`)."""
-    global _loaded
-    if _loaded is None:
-        _loaded = _load()
-    return _loaded[0]
+    return _load()[0]
 
 
 def status() -> str:
     """One line: is the compiled hot path in use, and if not, why."""
-    load()
-    return _loaded[1]
+    return _load()[1]
 
 
+@functools.cache  # (module, status line), once per process
 def _load() -> tuple:
     if os.environ.get("MCRDL_NATIVE", "1") == "0":
         return None, "off (MCRDL_NATIVE=0): pure-Python path"
