@@ -28,6 +28,22 @@ def test_mpiexec_command_uses_the_wheels_mpiexec_and_this_python():
     assert launcher.build_command(2, ["-m", "pkg.mod"])[-3:] == [sys.executable, "-m", "pkg.mod"]
 
 
+def test_open_mpis_mpiexec_gets_its_own_options(tmp_path):
+    """Open MPI's mpiexec rejects Hydra's -genv/-hosts/-f (seen on a GPU machine
+    with Debian's Open MPI 4.1.6): it gets -x NAME=value, --host, --hostfile."""
+    fake = tmp_path / "mpiexec"  # answers --version as Open MPI 4.1.6's does
+    fake.write_text("#!/bin/sh\necho 'mpiexec (OpenRTE) 4.1.6'\necho 'Report bugs to http://www.open-mpi.org/'\n")
+    fake.chmod(0o755)
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("node7 slots=4\n")
+    cmd = launcher.build_command(2, ["x.py"], hosts="a:2,b", hostfile=str(hostfile), mpiexec=str(fake),
+                                 bind="core")
+    assert cmd[1:4] == ["-n", "2", "-x"] and cmd[4] == "MASTER_ADDR=a" and cmd[5] == "-x"
+    assert cmd[6].startswith("MASTER_PORT=")
+    assert cmd[7:13] == ["--host", "a:2,b", "--hostfile", str(hostfile), "--bind-to", "core"]
+    assert launcher.mpiexec_family(launcher.find_mpiexec()) == "hydra"  # the mpich wheel's
+
+
 def test_master_address_from_environment_hosts_or_hostfile(tmp_path, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)

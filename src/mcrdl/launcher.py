@@ -2,7 +2,9 @@
 
 ``mpiexec`` (default) is the one installed beside this Python by the ``mpich``
 wheel, or the one on PATH, or one given by path; multi-host runs use its
-``-hosts``/``-f`` options. ``srun`` and ``torchrun`` are forwarded to as is.
+``-hosts``/``-f`` options (Open MPI's: ``--host``/``--hostfile``, and ``-x``
+for the environment, told apart by ``mpiexec --version``). ``srun`` and
+``torchrun`` are forwarded to as is.
 
 Every rank started through ``mpiexec`` or ``srun`` runs under
 :mod:`mcrdl.rank_env`, which gives it torchrun's environment (``RANK``,
@@ -20,6 +22,7 @@ an MPI call take about 2 ms instead of 0.1 ms. Measured in docs/results/binding.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -48,6 +51,23 @@ def find_mpiexec(explicit: Optional[str] = None) -> str:
         raise FileNotFoundError("no mpiexec: install the 'mpich' wheel (pip install mpich) or "
                                 "pass --mpiexec PATH")
     return found
+
+
+#: Per mpiexec family: (the options giving every rank NAME=value, the hosts option,
+#: the hostfile option, the binding options).
+OPTIONS = {"hydra": (lambda k, v: ["-genv", k, v], "-hosts", "-f", ["-bind-to", "core"]),
+           "openmpi": (lambda k, v: ["-x", f"{k}={v}"], "--host", "--hostfile", ["--bind-to", "core"])}
+
+
+@functools.cache
+def mpiexec_family(path: str) -> str:
+    """``openmpi`` when ``path --version`` names Open MPI (or its OpenRTE), else
+    ``hydra`` (MPICH, Intel MPI, MVAPICH: the mpich wheel's mpiexec)."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "hydra"
+    return "openmpi" if "Open MPI" in out or "OpenRTE" in out else "hydra"
 
 
 def program(argv: Sequence[str]) -> list[str]:
@@ -98,14 +118,15 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
     with_env = [sys.executable, "-m", "mcrdl.rank_env", *prog]  # torchrun's variables per rank
     if launcher == "mpiexec":
         addr, port = master_address(hosts, hostfile)
-        cmd = [find_mpiexec(mpiexec), "-n", str(nprocs), "-genv", "MASTER_ADDR", addr,
-               "-genv", "MASTER_PORT", port]
+        exe = find_mpiexec(mpiexec)
+        env_option, hosts_option, hostfile_option, binding = OPTIONS[mpiexec_family(exe)]
+        cmd = [exe, "-n", str(nprocs), *env_option("MASTER_ADDR", addr), *env_option("MASTER_PORT", port)]
         if hosts:
-            cmd += ["-hosts", hosts]
+            cmd += [hosts_option, hosts]
         if hostfile:
-            cmd += ["-f", hostfile]
+            cmd += [hostfile_option, hostfile]
         if bind == "core":
-            cmd += ["-bind-to", "core"]
+            cmd += binding
         return cmd + list(extra) + with_env
     if launcher == "srun":
         return ["srun", "-n", str(nprocs), *(["--cpu-bind=cores"] if bind == "core" else []),
