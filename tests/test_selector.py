@@ -381,3 +381,12 @@ def test_cuda_default_is_nccl_unless_a_default_was_named():
                                                                                "backend": "mpi"}]}}}})
     assert Selector(backends, "mpi", table=table, device_defaults={"cuda": "nccl"}).choose(
         "all_reduce", 64, 2, "cuda", F32) == "mpi"  # the table comes first
+
+
+def test_a_barrier_runs_on_a_backend_of_any_device():
+    """A barrier carries no tensor: backend="mpi_staged" (CUDA only) ran
+    cuda_staged_job's barrier on a GPU machine only after this."""
+    sel = Selector(live("mpi", "nccl"), "mpi")
+    assert sel.choose("barrier", 0, 2, "cpu", torch.uint8, explicit="nccl") == "nccl"
+    with pytest.raises(mcrdl.UnsupportedError, match="does not take cpu tensors"):
+        sel.choose("all_reduce", 4, 2, "cpu", torch.float32, explicit="nccl")

@@ -67,7 +67,7 @@ class Selector:
         backend = self.live.get(name)
         if backend is None:
             reason = f"backend {name!r} is not live in this job (live: {', '.join(self.live)})"
-        elif device not in backend.devices:
+        elif device not in backend.devices and op != "barrier":  # a barrier carries no tensor
             reason = f"backend {name!r} does not take {device} tensors"
         else:
             reason = backend.unsupported(op, dtype, reduce_op)
