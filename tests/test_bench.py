@@ -67,6 +67,17 @@ def test_bench_exits_zero_and_prints_tables(bench_run):
     assert summary.startswith("selection over ") and summary in proc.stdout
 
 
+def test_bench_on_one_rank_leaves_p2p_out(tmp_path):
+    """p2p needs a peer: by default one rank measures every other op (it stopped
+    the whole sweep before); asked for, it gets an error naming why."""
+    ok(mcrdl_cli("bench", "-n", "1", "--sizes", "4", "--iters", "2", "--rounds", "1", "--warmup", "1",
+                 "--json", tmp_path / "one.json"))
+    measured = {r["op"] for r in json.loads((tmp_path / "one.json").read_text())["results"]}
+    assert measured == set(bench.BENCH_OPS) - {"p2p"}
+    proc = mcrdl_cli("bench", "-n", "1", "--ops", "p2p", "--sizes", "4")
+    assert proc.returncode != 0 and "p2p is a ping-pong between two ranks" in proc.stderr
+
+
 def test_bench_json_metadata(bench_doc):
     assert bench_doc["format"] == "mcrdl-bench/1"
     meta = bench_doc["metadata"]

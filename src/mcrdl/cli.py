@@ -143,13 +143,16 @@ def _sweep_settings(args, quick_sizes, default_max):
     return sizes
 
 
-def _ops(args) -> list:
+def _ops(args, world_size: int) -> list:
+    """The ops to measure; p2p (a ping-pong between two ranks) only with two or more."""
     from .bench import BENCH_OPS
 
-    ops = args.ops.split(",") if args.ops else list(BENCH_OPS)
+    ops = args.ops.split(",") if args.ops else [o for o in BENCH_OPS if o != "p2p" or world_size > 1]
     bad = [o for o in ops if o not in BENCH_OPS]
     if bad:
         raise ValueError(f"unknown ops {bad} (expected {', '.join(BENCH_OPS)})")
+    if "p2p" in ops and world_size < 2:
+        raise ValueError("p2p is a ping-pong between two ranks: it needs -n 2 or more")
     return ops
 
 
@@ -191,7 +194,7 @@ def _cmd_bench(args, argv) -> int:
         if unknown:
             raise ValueError(f"unknown or not live variants {unknown} for {device} tensors (live backends: "
                              f"{', '.join(live)}; raw-mpi and raw-gloo time CPU tensors only)")
-        ops = _ops(args)
+        ops = _ops(args, mcrdl.get_world_size())
         sizes = _sweep_settings(args, [4, 1024, 65536, 1 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
         large = args.large_iters or (5 if args.quick else 10)
@@ -245,7 +248,7 @@ def _cmd_tune(args, argv) -> int:
         if bad:
             raise ValueError(f"--backends {bad} are not live backends for {device} tensors (live: {', '.join(live)})")
         merged = _merged_rules(args.merge) if args.merge else None
-        ops = _ops(args)
+        ops = _ops(args, mcrdl.get_world_size())
         sizes = _sweep_settings(args, [4, 256, 4096, 65536, 1 << 20, 4 << 20], 16 << 20)
         iters = args.iters or (20 if args.quick else 100)
         large = args.large_iters or (4 if args.quick else 10)
