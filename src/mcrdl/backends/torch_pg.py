@@ -208,10 +208,27 @@ class NCCLBackend(TorchBackend):
             return "no rendezvous store"
         return None
 
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.pgs = []  # shut down with the backend: torch warns of (and leaks) any that is not
+
     def version(self):
         return "nccl " + ".".join(map(str, torch.cuda.nccl.version()))
+
+    def destroy_group(self, handle) -> None:
+        if handle in self.pgs:
+            self.pgs.remove(handle)
+            handle.shutdown()
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        for pg in self.pgs:
+            pg.shutdown()
+        self.pgs.clear()
 
     def _make_pg(self, store, group_rank, size, timeout):
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, group_rank, size, opts)
+        pg = dist.ProcessGroupNCCL(store, group_rank, size, opts)
+        self.pgs.append(pg)
+        return pg
