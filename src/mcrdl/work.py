@@ -161,9 +161,12 @@ def spin_until(test: Callable[[], bool], deadline: float) -> bool:
     """Poll ``test`` until it succeeds (True) or ``deadline`` passes (False).
 
     Busy for the first polls (microsecond latency; under the spin policy for
-    :data:`SPIN_S`), then yielding the CPU (a descheduled peer gets to run:
-    5 ms, or up to 0.1 s under spin), then sleeping briefly (many ranks on
-    few cores, long waits). mpi_native.c's wait follows the same schedule."""
+    :data:`SPIN_S`), then yielding the CPU (a descheduled peer gets to run).
+    Under the yield policy (ranks share cores), after 5 ms it sleeps between
+    polls instead; under spin it never sleeps: a library that progresses only
+    inside its test calls (Open MPI's nonblocking collectives) would crawl
+    (a 64 MiB host-staged all-reduce took 1 s with 1 ms sleeps, on a GPU
+    machine: docs/results/gpu.md). mpi_native.c's wait follows the same schedule."""
     spins = 0
     start = None
     while not test():
@@ -178,7 +181,7 @@ def spin_until(test: Callable[[], bool], deadline: float) -> bool:
         waited = now - start
         if waited < _busy_s:
             continue
-        if waited < (0.1 if _busy_s else 0.005):
+        if _busy_s or waited < 0.005:
             os.sched_yield()
         else:
             time.sleep(5e-5 if waited < 0.1 else 1e-3)

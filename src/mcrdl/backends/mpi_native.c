@@ -38,8 +38,8 @@ static void pause_for(double seconds)
 }
 
 /* Poll `req` until it completes (1), `timeout` passes (0) or MPI fails (-rc).
- * Busy first; then yields the CPU (a descheduled peer gets to run) and, in
- * long waits, sleeps briefly: the same schedule as work.spin_until. */
+ * Busy first; then yields the CPU (a descheduled peer gets to run) and, under
+ * the yield policy after 5 ms, sleeps briefly: the schedule of work.spin_until. */
 static int wait_request(MPI_Request *req, double timeout)
 {
     int flag = 0, rc;
@@ -60,7 +60,7 @@ static int wait_request(MPI_Request *req, double timeout)
             return 0;
         if (waited < busy_s)
             continue;
-        if (waited < (busy_s > 0.0 ? 0.1 : 0.005))
+        if (busy_s > 0.0 || waited < 0.005)
             sched_yield();
         else
             pause_for(waited < 0.1 ? 5e-5 : 1e-3);
