@@ -241,7 +241,7 @@ class MPIBackend(Backend):
             self.order_after_streams()
 
     def version(self) -> str:
-        return self.MPI.Get_library_version().splitlines()[0].strip()
+        return self.MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()  # Open MPI ends it in NUL
 
     def unsupported(self, op, dtype, reduce_op):
         if dtype not in self.move_types:
