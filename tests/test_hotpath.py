@@ -34,6 +34,26 @@ def test_wait_policy(nprocs, policy, expected):
     assert f"waits: {expected} (MCRDL_WAIT={policy})" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("policy,sleeps", [("spin", False), ("yield", True)])
+def test_long_waits_sleep_only_under_the_yield_policy(monkeypatch, policy, sleeps):
+    """Under spin a wait never sleeps: Open MPI's nonblocking collectives move
+    only inside MPI_Test, and 1 ms sleeps after 0.1 s made a 64 MiB host-staged
+    all_reduce take 980 ms (docs/results/gpu.md). Oversubscribed, it sleeps."""
+    import time
+
+    from mcrdl import work
+
+    slept, real_sleep = [], time.sleep
+    monkeypatch.setattr(work.time, "sleep", lambda s: (slept.append(s), real_sleep(0))[1])
+    previous = work.set_wait_policy(policy, 1)
+    try:
+        end = time.monotonic() + 0.15
+        assert work.spin_until(lambda: time.monotonic() > end, time.monotonic() + 5)
+    finally:
+        work.set_wait_policy(previous, 1)
+    assert bool(slept) == sleeps, f"{len(slept)} sleeps under {policy}"
+
+
 def test_unknown_wait_policy_is_refused():
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "info"], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "MCRDL_WAIT": "busy"})
