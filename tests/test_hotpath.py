@@ -18,17 +18,18 @@ def test_without_a_compiler_the_pure_python_path_runs(tmp_path):
     assert not cached_files(tmp_path)
 
 
-@pytest.mark.parametrize("nprocs,policy,expected", [
-    (2, "auto", "spin"),    # one rank per core (this machine has 2)
-    (4, "auto", "yield"),   # oversubscribed
-    (2, "yield", "yield"),
-    (4, "spin", "spin"),
+@pytest.mark.parametrize("nprocs,policy,expected,bind", [
+    (2, "auto", "spin", "none"),    # one rank per core (this machine has 2)
+    (2, "auto", "spin", "core"),    # each rank bound to its own core (Open MPI's default): still one each
+    (4, "auto", "yield", "none"),   # oversubscribed
+    (2, "yield", "yield", "none"),
+    (4, "spin", "spin", "none"),
 ])
-def test_wait_policy(nprocs, policy, expected):
+def test_wait_policy(nprocs, policy, expected, bind):
     if len(os.sched_getaffinity(0)) != 2 and policy == "auto":
         pytest.skip("auto's choice is checked on a 2-core machine")
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--timeout", "120",
-                           sys.executable, "-m", "mcrdl.cli", "info"], capture_output=True, text=True,
+                           "--bind", bind, sys.executable, "-m", "mcrdl.cli", "info"], capture_output=True, text=True,
                           timeout=180, env={**os.environ, "MCRDL_WAIT": policy})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"waits: {expected} (MCRDL_WAIT={policy})" in proc.stdout, proc.stdout

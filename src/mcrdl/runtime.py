@@ -246,12 +246,13 @@ class Runtime:
         self.mpi_comm = None
         self.store = None
         self._group_count = 0  # mcrdl.new_group calls (every rank makes them, in the same order)
+        self.local_cpus: Optional[int] = None  # known when MPI launched the job: _local_from_mpi
         if store is None:
             self._launch()
         else:
             self._join(store, rank, world_size)
         #: "spin" or "yield": how waits use the CPU (MCRDL_WAIT, work.set_wait_policy)
-        self.wait_policy = set_wait_policy(wait, self.local_size)
+        self.wait_policy = set_wait_policy(wait, self.local_size, self.local_cpus)
         self.unavailable: dict[str, str] = {}
         self.backends: dict[str, Backend] = {}
         if self.store is None and (any(n in requested for n in ("gloo", "nccl"))
@@ -342,13 +343,21 @@ class Runtime:
             self.mpi_comm = MPI.COMM_WORLD
             self.rank, self.world_size = self.mpi_comm.Get_rank(), self.mpi_comm.Get_size()
             _check_launch_size(self.world_size, MPI)
-            local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-            self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-            local.Free()
+            self._local_from_mpi(MPI)
         else:
             self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
             self.local_rank = int(env.get("LOCAL_RANK", 0))
             self.local_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+
+    def _local_from_mpi(self, MPI) -> None:
+        """This host's ranks: local rank and size, and the CPUs they may run on
+        together. A launcher that binds each rank to its own core (Open MPI's
+        default) leaves each one CPU, yet no two share one: the wait policy
+        must count the union, not this rank's mask."""
+        local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        self.local_cpus = len(set().union(*local.allgather(os.sched_getaffinity(0))))
+        local.Free()
 
     def _join(self, store, rank: Optional[int], world_size: Optional[int]) -> None:
         """Identity and rendezvous from a caller's store (torch's ``init_method``/``store=``:
@@ -371,9 +380,7 @@ class Runtime:
                           f"processes but this job's world has {world_size}")
             return
         self.mpi_comm = MPI.COMM_WORLD.Split(0, rank)  # MPI rank = the caller's rank
-        local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-        local.Free()
+        self._local_from_mpi(MPI)
 
     def _make_store(self):
         import torch.distributed as dist

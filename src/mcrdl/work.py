@@ -139,15 +139,16 @@ def wait_policy_from_env() -> str:
     return policy
 
 
-def set_wait_policy(policy: str, local_ranks: int) -> str:
+def set_wait_policy(policy: str, local_ranks: int, local_cpus: Optional[int] = None) -> str:
     """Make every wait ``spin`` (busy-poll for :data:`SPIN_S`, then yield: no
     scheduler latency when each rank has a core) or ``yield`` (yield the CPU
     after the first polls: ranks sharing cores let the peer run); ``auto``:
-    spin when this host's ``local_ranks`` fit in the cores this process may
-    use. Returns the policy in force."""
+    spin when this host's ``local_ranks`` fit in ``local_cpus``, the CPUs its
+    ranks may run on together (default: this process's). Returns the policy in force."""
     global _busy_s
     if policy == "auto":
-        policy = "spin" if local_ranks <= len(os.sched_getaffinity(0)) else "yield"
+        cpus = local_cpus if local_cpus is not None else len(os.sched_getaffinity(0))
+        policy = "spin" if local_ranks <= cpus else "yield"
     _busy_s = SPIN_S if policy == "spin" else 0.0
     return policy
 
