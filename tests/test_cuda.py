@@ -32,3 +32,18 @@ def test_cuda_aware_mpi_in_stream_order(nprocs):
     if "SKIP" in out:
         pytest.skip("the MPI library is not CUDA-aware")
     assert out.count("CUDA mpi OK") == nprocs
+
+
+def test_stream_order_check_fails_without_the_stream_waits():
+    """The ablation: with the staging's stream waits removed, the stream-order
+    checks of cuda_staged_job see the op run before its producer."""
+    out = run_job(2, "cuda_staged_job.py", "mpi_staged", "unordered", timeout=300)
+    assert out.count("unordered: caught") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_ddp_on_cuda_tensors(nprocs):
+    """DDP on CUDA through the "mcrdl" torch backend and through mcrdl's hooks
+    trains the same parameters as DDP over gloo on the CPU."""
+    out = run_job(nprocs, "cuda_ddp_job.py", timeout=300)
+    assert out.count("CUDA DDP OK") == nprocs, out[-3000:]
