@@ -37,9 +37,8 @@ def test_wait_policy(nprocs, policy, expected, bind):
 
 @pytest.mark.parametrize("policy,sleeps", [("spin", False), ("yield", True)])
 def test_long_waits_sleep_only_under_the_yield_policy(monkeypatch, policy, sleeps):
-    """Under spin a wait never sleeps: Open MPI's nonblocking collectives move
-    only inside MPI_Test, and 1 ms sleeps after 0.1 s made a 64 MiB host-staged
-    all_reduce take 980 ms (docs/results/gpu.md). Oversubscribed, it sleeps."""
+    """Under spin a wait never sleeps (Open MPI's nonblocking collectives move
+    only inside MPI_Test: docs/results/openmpi.md). Oversubscribed, it sleeps."""
     import time
 
     from mcrdl import work
