@@ -1,5 +1,6 @@
 """The compiled MPI hot path's build, its fallback, and the wait policy."""
 import os
+import re
 import subprocess
 import sys
 
@@ -32,7 +33,8 @@ def test_wait_policy(nprocs, policy, expected, bind):
                            "--bind", bind, sys.executable, "-m", "mcrdl.cli", "info"], capture_output=True, text=True,
                           timeout=180, env={**os.environ, "MCRDL_WAIT": policy})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"waits: {expected} (MCRDL_WAIT={policy})" in proc.stdout, proc.stdout
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)  # Open MPI's mpiexec gives ranks a terminal: rich colours
+    assert f"waits: {expected} (MCRDL_WAIT={policy})" in plain, proc.stdout
 
 
 @pytest.mark.parametrize("policy,sleeps", [("spin", False), ("yield", True)])
@@ -72,7 +74,7 @@ def refused(call, error, words):
     try:
         call()
     except error as exc:
-        assert all(w in str(exc) for w in words), exc
+        assert all(w.lower() in str(exc).lower() for w in words), exc  # MPICH "Invalid rank", Open MPI "invalid rank"
     else:
         raise AssertionError(f"no {error.__name__}")
 comm = MPI.COMM_SELF

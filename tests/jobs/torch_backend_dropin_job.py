@@ -24,7 +24,7 @@ import mcrdl  # noqa: E402 - only to see what runs underneath
 
 check(dist.get_backend() == "mcrdl" and (mcrdl.get_rank(), mcrdl.get_world_size()) == (rank, world),
       "identity")
-launched = "PMI_RANK" in os.environ
+launched = "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ  # MPICH, Open MPI
 check(("mpi" in mcrdl.live_backends()) == launched, "MPI live iff an MPI launcher started us",
       mcrdl.available_backends())
 others = [r for r in range(world) if r != rank]
