@@ -15,7 +15,7 @@ import torch
 
 from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
-from .backends.mpi import import_mpi, mpi_launched
+from .backends.mpi import import_mpi, library_name, mpi_launched
 from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
@@ -179,7 +179,7 @@ def _check_launch_size(world_size: int, MPI) -> None:
     for var in LAUNCH_SIZE_VARS:
         launched = os.environ.get(var, "")
         if launched.isdigit() and int(launched) != world_size:
-            library = MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
+            library = library_name(MPI)
             raise RuntimeError(
                 f"the launcher started {launched} processes ({var}={launched}) but MPI reports a world "
                 f"of {world_size}: the launcher and the MPI library mpi4py loaded ({library}) are "

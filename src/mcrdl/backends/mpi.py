@@ -61,6 +61,11 @@ def cuda_support() -> tuple[bool, str]:
     return False, "the MPI library does not say"
 
 
+def library_name(MPI) -> str:
+    """The first line of MPI's library version (Open MPI ends it in a NUL)."""
+    return MPI.Get_library_version().replace("\0", "").strip().splitlines()[0].strip()
+
+
 def import_mpi():
     """Import mpi4py with full thread support (the future helper thread polls too)."""
     import mpi4py
@@ -241,7 +246,7 @@ class MPIBackend(Backend):
             self.order_after_streams()
 
     def version(self) -> str:
-        return self.MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()  # Open MPI ends it in NUL
+        return library_name(self.MPI)
 
     def unsupported(self, op, dtype, reduce_op):
         if dtype not in self.move_types:

@@ -24,7 +24,6 @@ MODULE = "mcrdl_mpi_native"
 BUILD_TIMEOUT_S = 120
 
 
-
 def mpicc() -> Optional[str]:
     """The MPI C compiler: $MPICC, the one beside this Python (the mpich
     wheel's), mpi4py's build configuration, else ``mpicc`` on PATH."""
