@@ -13,8 +13,10 @@ Every rank started through ``mpiexec`` or ``srun`` runs under
 (from the environment, else the first host and a free port) are the same on
 every rank.
 
-Binding (``bind``): ``none`` (default) leaves placement to the OS; ``core``
-pins each rank to one core (``mpiexec -bind-to core``, ``srun --cpu-bind=cores``).
+Binding (``bind``): ``none`` (default) leaves placement to the OS (Open MPI's
+``mpiexec``, which binds each rank to a core by default, is told
+``--bind-to none``); ``core`` pins each rank to one core (``mpiexec -bind-to
+core``, ``srun --cpu-bind=cores``).
 Pinned, MPI calls no longer suffer the phases in which the scheduler puts two
 busy-polling ranks on one core; but a library's own threads (gloo's TCP loop)
 then share their rank's core with MPI's busy polling, and gloo send/recv after
@@ -54,9 +56,11 @@ def find_mpiexec(explicit: Optional[str] = None) -> str:
 
 
 #: Per mpiexec family: (the options giving every rank NAME=value, the hosts option,
-#: the hostfile option, the binding options).
-OPTIONS = {"hydra": (lambda k, v: ["-genv", k, v], "-hosts", "-f", ["-bind-to", "core"]),
-           "openmpi": (lambda k, v: ["-x", f"{k}={v}"], "--host", "--hostfile", ["--bind-to", "core"])}
+#: the hostfile option, the options of each binding). Open MPI binds each rank to
+#: a core unless told not to: ``none`` must say so.
+OPTIONS = {"hydra": (lambda k, v: ["-genv", k, v], "-hosts", "-f", {"core": ["-bind-to", "core"], "none": []}),
+           "openmpi": (lambda k, v: ["-x", f"{k}={v}"], "--host", "--hostfile",
+                       {"core": ["--bind-to", "core"], "none": ["--bind-to", "none"]})}
 
 
 @functools.cache
@@ -119,15 +123,13 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
     if launcher == "mpiexec":
         addr, port = master_address(hosts, hostfile)
         exe = find_mpiexec(mpiexec)
-        env_option, hosts_option, hostfile_option, binding = OPTIONS[mpiexec_family(exe)]
+        env_option, hosts_option, hostfile_option, bindings = OPTIONS[mpiexec_family(exe)]
         cmd = [exe, "-n", str(nprocs), *env_option("MASTER_ADDR", addr), *env_option("MASTER_PORT", port)]
         if hosts:
             cmd += [hosts_option, hosts]
         if hostfile:
             cmd += [hostfile_option, hostfile]
-        if bind == "core":
-            cmd += binding
-        return cmd + list(extra) + with_env
+        return cmd + bindings[bind] + list(extra) + with_env
     if launcher == "srun":
         return ["srun", "-n", str(nprocs), *(["--cpu-bind=cores"] if bind == "core" else []),
                 *extra, *with_env]
