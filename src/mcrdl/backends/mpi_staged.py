@@ -8,9 +8,9 @@ the work queued on the caller's stream before the op (an event, not a
 host-blocking synchronize), with pinned buffers from torch's caching host
 allocator; the op starts when the progress engine sees the copy's event
 complete (the MPI backend's deferred start, in submission order:
-backends/mpi.py), and completes when the copy back has landed (later work on
-the caller's stream is also ordered after it). A cancelled op (a missed
-deadline) copies nothing back.
+backends/mpi.py), and completes when the copy back is queued with the caller's
+stream ordered after it (stream-ordered, like NCCL: the host does not wait for
+the copy). A cancelled op (a missed deadline) copies nothing back.
 
 Selectable like any backend (``backend="mpi_staged"``, a table, autotune):
 the tuner decides where staging beats NCCL.
@@ -31,9 +31,10 @@ Entry = tuple[torch.Tensor, torch.Tensor, bool, bool]
 
 class StagedPending(DeferredPending):
     """One staged op: waiting for its inputs on the host (``ready``: the copy
-    in), then its MPI request, then its outputs back on the device."""
+    in), then its MPI request; complete once its outputs are on their way back
+    (the submitting stream waits for them)."""
 
-    __slots__ = ("entries", "stream", "submitted", "ready_out")
+    __slots__ = ("entries", "stream", "submitted", "copied_out")
 
     def __init__(self, backend: "StagedMPIBackend", entries: Sequence[Entry], start: Callable[[], Pending],
                  stream=None):
@@ -44,16 +45,15 @@ class StagedPending(DeferredPending):
         if stream is not None:
             self.submitted = torch.cuda.Event()
             self.submitted.record(stream)
-        self.ready_out = None
+        self.copied_out = False
 
     def completed(self) -> bool:
-        if self.ready_out is None:
-            if not self.inner.test():
-                return False
-            if self.cancelled:  # the buffers hold nothing of the op's: copy nothing back
-                return True
-            self.ready_out = self.backend.copy_out(self)
-        return self.ready_out is True or self.ready_out.query()
+        if not self.inner.test():
+            return False
+        if not (self.copied_out or self.cancelled):  # cancelled: the buffers hold nothing of the op's
+            self.backend.copy_out(self)
+            self.copied_out = True
+        return True
 
 
 class StagedMPIBackend(MPIBackend):
@@ -113,16 +113,18 @@ class StagedMPIBackend(MPIBackend):
                 event.record(side)
             return event
 
-    def copy_out(self, pending: StagedPending):
-        """Copy the outputs back to the device: True when done, else the event
-        marking it (after the caller's work queued before the op, which may
-        still use those tensors); the caller's stream waits for it."""
+    def copy_out(self, pending: StagedPending) -> None:
+        """Copy the outputs back to the device: CUDA tensors on a side stream,
+        after the caller's work queued before the op (which may still read
+        them), with the caller's stream ordered after the copies, as NCCL
+        orders it after its kernels: nobody waits for them on the host (the
+        caching host allocator keeps each buffer until its copy has run)."""
         copies = [(t, host) for t, host, _, back in pending.entries if back]
         with torch.no_grad():
             if pending.submitted is None or not copies:
                 for t, host in copies:
                     t.copy_(host)
-                return True
+                return
             side = self.streams(copies[0][0].device)[1]
             side.wait_event(pending.submitted)
             with torch.cuda.stream(side):
@@ -132,7 +134,6 @@ class StagedMPIBackend(MPIBackend):
                 event = torch.cuda.Event()
                 event.record(side)
             pending.stream.wait_event(event)
-            return event
 
     # -- operations: (tensor, copy in, copy back) per buffer ---------------------------
     def all_reduce(self, comm, tensor, op):
