@@ -25,6 +25,14 @@ def test_host_staged_mpi_on_cuda_tensors(nprocs):
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
+def test_gloo_collectives_on_cuda_tensors(nprocs):
+    """torch's gloo stages CUDA tensors itself; mcrdl orders the submitting
+    stream after the results and refuses p2p, which gloo cannot do on CUDA."""
+    out = run_job(nprocs, "cuda_staged_job.py", "gloo", timeout=300)
+    assert out.count("CUDA gloo OK") == nprocs
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
 def test_cuda_aware_mpi_in_stream_order(nprocs):
     """The mpi backend on CUDA tensors when the MPI is CUDA-aware: started
     after an event on the caller's stream, never a stream synchronize."""
@@ -34,10 +42,12 @@ def test_cuda_aware_mpi_in_stream_order(nprocs):
     assert out.count("CUDA mpi OK") == nprocs
 
 
-def test_stream_order_check_fails_without_the_stream_waits():
-    """The ablation: with the staging's stream waits removed, the stream-order
-    checks of cuda_staged_job see the op run before its producer."""
-    out = run_job(2, "cuda_staged_job.py", "mpi_staged", "unordered", timeout=300)
+@pytest.mark.parametrize("backend", ["mpi_staged", "gloo"])
+def test_stream_order_check_fails_without_the_stream_waits(backend):
+    """The ablation: with mcrdl's stream waits removed, the stream-order checks
+    of cuda_staged_job see an op run before its producer, or its results read
+    before they landed."""
+    out = run_job(2, "cuda_staged_job.py", backend, "unordered", timeout=300)
     assert out.count("unordered: caught") == 2, out[-3000:]
 
 

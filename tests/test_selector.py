@@ -14,7 +14,7 @@ class FakeMPI(Backend):
     name = "mpi"
     devices = frozenset({"cpu"})
 
-    def unsupported(self, op, dtype, reduce_op):
+    def unsupported(self, op, dtype, reduce_op, device):
         if dtype == torch.bfloat16:
             return f"MPI backend has no datatype for {dtype}"
         return None
@@ -71,7 +71,7 @@ def sel(names=ALL, default="mpi", static=None, table=None):
 def test_fake_backends_construct():
     b = live("mpi")["mpi"]
     assert isinstance(b, Backend) and b.ctx is None
-    assert b.unsupported("all_reduce", BF16, None) and b.unsupported("all_reduce", F32, None) is None
+    assert b.unsupported("all_reduce", BF16, None, "cpu") and b.unsupported("all_reduce", F32, None, "cpu") is None
 
 
 # -- precedence -------------------------------------------------------------------------------
@@ -390,3 +390,19 @@ def test_a_barrier_runs_on_a_backend_of_any_device():
     assert sel.choose("barrier", 0, 2, "cpu", torch.uint8, explicit="nccl") == "nccl"
     with pytest.raises(mcrdl.UnsupportedError, match="does not take cpu tensors"):
         sel.choose("all_reduce", 4, 2, "cpu", torch.float32, explicit="nccl")
+
+
+def test_gloo_takes_cuda_collectives_but_not_cuda_p2p():
+    """torch's gloo stages CUDA tensors for its collectives, but its sockets
+    fail on device memory for send/recv (seen on a GPU): refused by name, in
+    every p2p form, so the selector falls back instead of crashing the job."""
+    from mcrdl.backends import REGISTRY
+    from mcrdl.backends.torch_pg import GlooBackend
+    gloo = GlooBackend.__new__(GlooBackend)
+    for op in ("send", "recv", "isend", "irecv", "batch_isend_irecv", "p2p"):
+        assert "cannot send or receive CUDA tensors" in gloo.unsupported(op, F32, None, "cuda")
+        assert gloo.unsupported(op, F32, None, "cpu") is None
+    for op in ("all_reduce", "reduce_scatter_tensor", "all_to_all_single", "gather"):
+        assert gloo.unsupported(op, F32, None, "cuda") is None
+    # without NCCL, CUDA tensors fall back to staged MPI before gloo (faster up to MiBs on a GPU)
+    assert list(REGISTRY).index("mpi_staged") < list(REGISTRY).index("gloo")

@@ -347,9 +347,12 @@ class Bench:
         """All variants at one (op, size), interleaved over rounds."""
         # every variant on the same buffers: where a buffer lands in memory stays fixed
         # for the whole measurement and would favour one variant over another
-        first = _Case(op, nbytes, self.variants[0], self.world, self.rank, device=self.device)
+        variants = [v for v in self.variants if _runs(v, op, self.device.type)]
+        if not variants:
+            return []
+        first = _Case(op, nbytes, variants[0], self.world, self.rank, device=self.device)
         cases = {v: first if v == first.variant else
-                 _Case(op, nbytes, v, self.world, self.rank, first, self.device) for v in self.variants}
+                 _Case(op, nbytes, v, self.world, self.rank, first, self.device) for v in variants}
         size = next(iter(cases.values())).nbytes
         checks = {}
         if self.do_check:
@@ -405,6 +408,14 @@ class Bench:
                     self.progress(f"{op} {human(nbytes)}")
                 results.extend(self.measure(op, nbytes))
         return results
+
+
+def _runs(variant: str, op: str, device: str) -> bool:
+    """Can ``variant`` run this benchmark's ``op`` on ``device`` tensors? (gloo
+    has no CUDA p2p: its cells stay empty, and a tune leaves it out there)"""
+    if variant == "mcrdl" or variant.startswith("raw-"):
+        return True
+    return api._rt().selector.why_not(variant, OP_CLASS[op], device, torch.float32) is None
 
 
 def _selected(op: str, nbytes: int, device: str) -> str:

@@ -70,7 +70,7 @@ class Selector:
         elif device not in backend.devices and op != "barrier":  # a barrier carries no tensor
             reason = f"backend {name!r} does not take {device} tensors"
         else:
-            reason = backend.unsupported(op, dtype, reduce_op)
+            reason = backend.unsupported(op, dtype, reduce_op, device)
         self._capable[key] = reason
         return reason
 

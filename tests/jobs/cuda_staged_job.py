@@ -1,9 +1,12 @@
-"""MPI on CUDA tensors (ranks may share one GPU), host-staged (``mpi_staged``,
-the default) or direct on a CUDA-aware MPI (argument ``mpi``): every op against
-local references, and stream order: an op reads what the kernels queued
-before it wrote, without blocking the calling thread until they ran. With ``unordered``, the
-staging's stream waits are removed and the stream-order check must fail (it
-would not catch their loss otherwise).
+"""CPU libraries on CUDA tensors (ranks may share one GPU): MPI host-staged
+(``mpi_staged``, the default) or direct on a CUDA-aware MPI (``mpi``), or
+torch's gloo (``gloo``: collectives only). Every op against local references,
+and stream order: an op reads what the kernels queued before it wrote, without
+blocking the calling thread until they ran, and its results are there for the
+stream it was submitted on. With ``unordered``, mcrdl's stream waits are
+removed (mpi_staged: the staging's; gloo: the submitting stream's wait at
+completion) and the stream-order checks must fail (they would not catch their
+loss otherwise).
 Usage: cuda_staged_job.py [backend] [unordered]"""
 import sys
 import time
@@ -15,8 +18,12 @@ from common import check, reduced, value
 
 NAME = sys.argv[1] if len(sys.argv) > 1 else "mpi_staged"
 ORDERED = "unordered" not in sys.argv[2:]
-if not ORDERED:  # the ablation: side streams no longer wait for the caller's stream, nor it for them
+if not ORDERED and NAME == "gloo":  # the ablation: the stream current at completion waits, not the submitter's
+    from mcrdl.backends.torch_pg import TorchPending
+    TorchPending._finish = lambda self, wait, *args: wait(*args)
+elif not ORDERED:  # the ablation: side streams no longer wait for the caller's stream, nor it for them
     torch.cuda.Stream.wait_event = lambda stream, event: None
+P2P = NAME != "gloo"  # torch's gloo cannot send CUDA tensors (mcrdl refuses it: checked below)
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 dev = torch.device("cuda", mcrdl.get_local_rank() % torch.cuda.device_count())
@@ -62,12 +69,18 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int64) if ORDE
             sl = [on(r, n, dtype) for r in range(world)] if rank == root else None
             finish(mcrdl.scatter(out, sl, src=root, **kw))
             check(torch.equal(out.cpu(), value(rank, n, dtype)), tag, "scatter")
-            if world > 1:
+            if world > 1 and P2P:
                 dst = torch.empty(n, dtype=dtype, device=dev)
                 recv = mcrdl.irecv(dst, (rank - 1) % world, tag=4, backend=NAME)
                 mcrdl.isend(on(rank, n, dtype), (rank + 1) % world, tag=4, backend=NAME).wait()
                 recv.wait()
                 check(torch.equal(dst.cpu(), value((rank - 1) % world, n, dtype)), tag, "isend/irecv")
+if not P2P and world > 1:
+    try:
+        mcrdl.send(torch.ones(1, device=dev), (rank + 1) % world, backend=NAME)
+        check(False, f"{NAME} took a CUDA send")
+    except mcrdl.UnsupportedError as exc:
+        check("cannot send" in str(exc), exc)
 mcrdl.barrier(backend=NAME)
 
 violations = []
@@ -90,10 +103,25 @@ for i, (dtype, future) in enumerate([(torch.float32, False)] * 3 + [(torch.bfloa
     if not bool((x.cpu() == sum(r + 1 for r in range(world))).all()):
         violations.append(f"the op ran before its producer: {dtype} future={future} {x[:4].tolist()}")
     check(i == 0 or submit_s < SLEEP_S / 2, f"submitting blocked the caller for {submit_s:.3f} s")  # (warm)
+# The submitting stream gets the results: an op submitted on a side stream and
+# waited for with another stream current; the side stream reads at once, while
+# a 64 MiB copy back is still landing if it was not made to wait for it
+side = torch.cuda.Stream(dev)
+for _ in range(3):
+    with torch.cuda.stream(side):
+        x = torch.full((1 << 24,), float(rank + 1), device=dev)
+        work = mcrdl.all_reduce(x, backend=NAME, async_op=True)
+    work.wait()
+    with torch.cuda.stream(side):
+        got = x.clone()
+    side.synchronize()
+    if not bool((got.cpu() == sum(r + 1 for r in range(world))).all()):
+        violations.append(f"the submitting stream read before the results landed: {got[:2].tolist()}")
+        break
 # Write after read: a clone of dst queued behind a GPU sleep must see dst's old
 # values, though the peer's send completes on the host meanwhile (the receive,
 # or its copy back, waits for the work queued before it)
-if world > 1:
+if world > 1 and P2P:
     n = 1 << 16
     dst = torch.full((n,), -1.0, device=dev)
     torch.cuda._sleep(int(SLEEP_S * cycles_per_s))

@@ -22,7 +22,7 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-for _cls in (MPIBackend, NCCLBackend, GlooBackend, StagedMPIBackend):
+for _cls in (MPIBackend, NCCLBackend, StagedMPIBackend, GlooBackend):  # CUDA without NCCL: staged before gloo
     register_backend(_cls)
 
 __all__ = ["OPS", "REGISTRY", "Backend", "Context", "register_backend"]

@@ -52,8 +52,10 @@ class Backend:
     def __init__(self, ctx: Context):
         self.ctx = ctx
 
-    def unsupported(self, op: str, dtype: torch.dtype, reduce_op: Optional[ReduceOp]) -> Optional[str]:
-        """Why this backend cannot run ``op`` on ``dtype`` correctly, or None."""
+    def unsupported(self, op: str, dtype: torch.dtype, reduce_op: Optional[ReduceOp],
+                    device: str) -> Optional[str]:
+        """Why this backend cannot run ``op`` on ``dtype`` tensors of ``device``
+        type (one of :attr:`devices`) correctly, or None."""
         return None
 
     def version(self) -> str:

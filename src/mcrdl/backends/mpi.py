@@ -248,7 +248,7 @@ class MPIBackend(Backend):
     def version(self) -> str:
         return library_name(self.MPI)
 
-    def unsupported(self, op, dtype, reduce_op):
+    def unsupported(self, op, dtype, reduce_op, device):
         if dtype not in self.move_types:
             return f"MPI backend has no datatype for {dtype}"
         return None

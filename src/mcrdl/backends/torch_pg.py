@@ -1,4 +1,10 @@
-"""``torch.distributed`` process-group backends: ``gloo`` (CPU) and ``nccl`` (CUDA).
+"""``torch.distributed`` process-group backends: ``gloo`` (CPU, and CUDA
+collectives through torch's host staging) and ``nccl`` (CUDA).
+
+With CUDA tensors the library runs the op on its own streams, ordered after
+the work queued on the caller's stream at submission; when mcrdl sees the op
+complete, that same stream (not whichever is current then) is made to wait for
+the results.
 
 Process groups are constructed directly on mcrdl's own store (no
 ``torch.distributed.init_process_group``), so torch's global default group
@@ -14,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..tuning import OP_CLASS
 from ..types import ReduceOp
 from ..work import Pending
 from .base import ANY_SOURCE, Backend
@@ -40,13 +47,24 @@ class TorchPending(Pending):
     (reduce_scatter, send, recv) ``is_completed()`` stays False until
     ``wait()`` is called, so a mixed wait hands ``wait()`` to a helper thread."""
 
-    __slots__ = ("work", "lies", "_waiter", "_error")
+    __slots__ = ("work", "lies", "stream", "_waiter", "_error")
 
-    def __init__(self, work, lies: bool = False):
+    def __init__(self, work, lies: bool = False, tensor: Optional[torch.Tensor] = None):
         self.work = work
         self.lies = lies  # is_completed() stays False until wait() (gloo: reduce_scatter, send, recv)
+        #: CUDA: the caller's stream at submission, which must wait for the results
+        self.stream = torch.cuda.current_stream(tensor.device) if tensor is not None and tensor.is_cuda else None
         self._waiter: Optional[threading.Event] = None
         self._error: Optional[BaseException] = None
+
+    def _finish(self, wait, *args) -> None:
+        """``wait`` (the work's wait or synchronize): raises if the op failed,
+        and orders the current stream, made the submitting one, after it."""
+        if self.stream is None:
+            wait(*args)
+        else:
+            with torch.cuda.stream(self.stream):
+                wait(*args)
 
     def test(self) -> bool:
         if self._waiter is None and self.lies:
@@ -56,9 +74,11 @@ class TorchPending(Pending):
                 return False
             if self._error is not None:
                 raise self._error
+            if self.stream is not None:  # the helper's wait ordered its own thread's stream
+                self._finish(self.work.synchronize)
             return True
         if self.work.is_completed():
-            self.work.wait()  # raises if the work failed
+            self._finish(self.work.wait)
             return True
         return False
 
@@ -72,7 +92,7 @@ class TorchPending(Pending):
         if self._waiter is not None:
             return self._waiter.wait(max(remaining, 0)) and self.test()
         try:
-            self.work.wait(timedelta(seconds=max(remaining, 0.001)))
+            self._finish(self.work.wait, timedelta(seconds=max(remaining, 0.001)))
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() and time.monotonic() >= deadline - 0.01:
                 return False
@@ -124,58 +144,58 @@ class TorchBackend(Backend):
     def all_reduce(self, pg, tensor, op):
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        return TorchPending(pg.allreduce([tensor], opts))
+        return TorchPending(pg.allreduce([tensor], opts), tensor=tensor)
 
     def broadcast(self, pg, tensor, root):
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        return TorchPending(pg.broadcast([tensor], opts))
+        return TorchPending(pg.broadcast([tensor], opts), tensor=tensor)
 
     def reduce(self, pg, tensor, root, op):
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = root, _TORCH_OPS[op]
-        return TorchPending(pg.reduce([tensor], opts))
+        return TorchPending(pg.reduce([tensor], opts), tensor=tensor)
 
     def all_gather_into_tensor(self, pg, output, input):
-        return TorchPending(pg._allgather_base(output, input))
+        return TorchPending(pg._allgather_base(output, input), tensor=input)
 
     def reduce_scatter_tensor(self, pg, output, input, op):
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _TORCH_OPS[op]
-        return TorchPending(pg._reduce_scatter_base(output, input, opts), lies=True)
+        return TorchPending(pg._reduce_scatter_base(output, input, opts), lies=True, tensor=input)
 
     def gather(self, pg, output, input, root):
         opts = dist.GatherOptions()
         opts.rootRank = root
         # gloo wants every block shaped like the input (a multi-dim tensor gets flat blocks)
         outputs = [[b.view(input.shape) for b in output.chunk(pg.size())]] if output is not None else []
-        return TorchPending(pg.gather(outputs, [input], opts))
+        return TorchPending(pg.gather(outputs, [input], opts), tensor=input)
 
     def scatter(self, pg, output, input, root):
         opts = dist.ScatterOptions()
         opts.rootRank = root
         inputs = [[b.view(output.shape) for b in input.chunk(pg.size())]] if input is not None else []
-        return TorchPending(pg.scatter([output], inputs, opts))
+        return TorchPending(pg.scatter([output], inputs, opts), tensor=output)
 
     def all_to_all_single(self, pg, output, input, output_counts, input_counts):
         return TorchPending(pg.alltoall_base(output.view(-1), input.view(-1), list(output_counts or ()),
-                                             list(input_counts or ()), dist.AllToAllOptions()))
+                                             list(input_counts or ()), dist.AllToAllOptions()), tensor=input)
 
     def barrier(self, pg):
         return TorchPending(pg.barrier(dist.BarrierOptions()))
 
     def send(self, pg, tensor, peer, tag):
-        return TorchPending(pg.send([tensor], peer, tag), lies=True)
+        return TorchPending(pg.send([tensor], peer, tag), lies=True, tensor=tensor)
 
     def recv(self, pg, tensor, peer, tag):
         if peer == ANY_SOURCE:
-            return TorchPending(pg.recv_anysource([tensor], tag), lies=True)
-        return TorchPending(pg.recv([tensor], peer, tag), lies=True)
+            return TorchPending(pg.recv_anysource([tensor], tag), lies=True, tensor=tensor)
+        return TorchPending(pg.recv([tensor], peer, tag), lies=True, tensor=tensor)
 
 
 class GlooBackend(TorchBackend):
     name = "gloo"
-    devices = frozenset({"cpu"})
+    devices = frozenset({"cpu", "cuda"})  # CUDA: collectives only, where the torch build has CUDA
 
     @classmethod
     def unavailable_reason(cls, ctx):
@@ -185,9 +205,16 @@ class GlooBackend(TorchBackend):
             return "no rendezvous store"
         return None
 
-    def unsupported(self, op, dtype, reduce_op):
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        if not torch.cuda.is_available():
+            self.devices = frozenset({"cpu"})
+
+    def unsupported(self, op, dtype, reduce_op, device):
         if dtype == torch.int16:
             return "gloo has no int16 support"
+        if device == "cuda" and OP_CLASS.get(op) == "p2p":
+            return "torch's gloo cannot send or receive CUDA tensors (its socket writes fail on device memory)"
         return None
 
     def _make_pg(self, store, group_rank, size, timeout):
