@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu/session.sh OUTDIR
 # Runs from the source tree with the machine's python3 (torch with CUDA, mpi4py
 # on whatever MPI it has); each step has its own time limit, and a failed step
-# does not stop the next. Writes session.log (the gloo probe's table in it) and
-# the bench JSONs to OUTDIR. CUDA_TESTS: a pytest -k expression (default: all).
+# does not stop the next. Writes session.log and the bench JSONs to OUTDIR.
+# CUDA_TESTS: a pytest -k expression (default: all); BENCH_VARIANTS: the 2-rank
+# bench's backends (default mpi_staged,gloo).
 set -u
 out=${1:-out/gpu}
 mkdir -p "$out"
@@ -31,14 +32,13 @@ if ! grep -q "fast-path tensor checks: compiled" "$log"; then  # no job should t
     export MCRDL_NATIVE=0
     echo "=== the compiled helpers did not build: MCRDL_NATIVE=0 from here on" >> "$log"
 fi
-step 240 "CUDA tests" $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-}"
-small=(--sizes 4,1K,64K,1M --iters 20 --large-iters 5 --warmup 2 --rounds 1)
-step 80 "bench, 2 ranks on one GPU, 4 B-1 MiB" $py -m mcrdl.cli bench -n 2 --device cuda --variants mpi_staged \
-    "${small[@]}" --json "$out/bench_cuda_2ranks_small.json"
-step 80 "bench, 2 ranks on one GPU, 16-64 MiB" $py -m mcrdl.cli bench -n 2 --device cuda --variants mpi_staged \
-    --ops all_reduce,all_gather,broadcast --sizes 16M,64M --large-iters 3 --warmup 1 --rounds 1 \
-    --json "$out/bench_cuda_2ranks_large.json"
-step 60 "bench, 1 rank: nccl and mpi_staged" $py -m mcrdl.cli bench -n 1 --device cuda --variants nccl,mpi_staged \
-    "${small[@]}" --json "$out/bench_cuda_1rank.json"
-step 60 "torch gloo on CUDA tensors" $py -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu/gloo_cuda_ops.py
+step 200 "CUDA tests" $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-}"
+variants=${BENCH_VARIANTS:-mpi_staged,gloo}
+step 80 "bench, 2 ranks on one GPU, 4 B-1 MiB" $py -m mcrdl.cli bench -n 2 --device cuda --variants $variants \
+    --sizes 4,1K,64K,1M --iters 20 --large-iters 5 --warmup 2 --rounds 1 --json "$out/bench_cuda_2ranks_small.json"
+step 100 "bench, 2 ranks on one GPU, 16-64 MiB" $py -m mcrdl.cli bench -n 2 --device cuda --variants $variants \
+    --sizes 16M,64M --large-iters 3 --warmup 1 --rounds 1 --json "$out/bench_cuda_2ranks_large.json"
+for n in 1 2; do
+    step 45 "staging, part by part: $n rank(s) on one GPU" $py -m mcrdl.cli run -n $n $py benchmarks/gpu/staging_parts.py 4 65536
+done
 grep "^=== rc" "$log"
