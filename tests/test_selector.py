@@ -406,3 +406,21 @@ def test_gloo_takes_cuda_collectives_but_not_cuda_p2p():
         assert gloo.unsupported(op, F32, None, "cuda") is None
     # without NCCL, CUDA tensors fall back to staged MPI before gloo (faster up to MiBs on a GPU)
     assert list(REGISTRY).index("mpi_staged") < list(REGISTRY).index("gloo")
+
+
+def test_nccl_is_not_started_where_ranks_share_a_gpu(monkeypatch):
+    """NCCL refuses two ranks on one GPU at its first op (torch: "Duplicate GPU
+    detected"), and as the CUDA default it would take every op there. Ranks that
+    share a GPU (same device UUID) leave it out, so CUDA tensors go to staged MPI
+    or gloo; ranks that CUDA_VISIBLE_DEVICES gives one GPU each see different UUIDs."""
+    from mcrdl.backends.base import Context
+    from mcrdl.backends.torch_pg import NCCLBackend
+    from mcrdl.runtime import shares_a_gpu
+    assert shares_a_gpu(["GPU-a", "GPU-a"]) and shares_a_gpu(["GPU-a", "GPU-b", "GPU-a"])
+    assert not shares_a_gpu(["GPU-a", "GPU-b"]) and not shares_a_gpu([None, None]) and not shares_a_gpu([])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    store = object()
+    assert NCCLBackend.unavailable_reason(Context(0, 2, 10, store=store)) is None
+    reason = NCCLBackend.unavailable_reason(Context(0, 2, 10, store=store, shared_gpu=True))
+    assert reason == "ranks on this host share a GPU (NCCL needs one per rank)"

@@ -172,6 +172,24 @@ def _abort_mpi_job(comm) -> None:
 LAUNCH_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
 
 
+def _gpu_id(local_rank: int) -> Optional[str]:
+    """The UUID of the GPU this rank uses by mcrdl's convention (local rank
+    modulo the GPUs it sees: ranks given one GPU each by
+    ``CUDA_VISIBLE_DEVICES`` see different ones), or None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return str(torch.cuda.get_device_properties(local_rank % torch.cuda.device_count()).uuid)
+    except Exception:  # (a torch without device UUIDs): unknown, assumed not shared
+        return None
+
+
+def shares_a_gpu(gpus: Sequence[Optional[str]]) -> bool:
+    """Do two of a host's ranks use the same GPU (by UUID; None: unknown)?"""
+    known = [g for g in gpus if g is not None]
+    return len(set(known)) < len(known)
+
+
 def _check_launch_size(world_size: int, MPI) -> None:
     """A launcher of one MPI implementation (say MPICH's Hydra) starting ranks
     whose mpi4py loaded another (say Open MPI) makes each rank a world of its
@@ -247,6 +265,7 @@ class Runtime:
         self.store = None
         self._group_count = 0  # mcrdl.new_group calls (every rank makes them, in the same order)
         self.local_cpus: Optional[int] = None  # known when MPI launched the job: _local_from_mpi
+        self.shared_gpu = False  # this host's ranks would share a GPU (MPI-launched jobs: _local_from_mpi)
         if store is None:
             self._launch()
         else:
@@ -271,7 +290,8 @@ class Runtime:
                                      lambda: _listen(_store_address(single_host)),
                                      self._peer_died, timeout)
         self.engine.on_failure = self._on_failure
-        ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store)
+        ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store,
+                                 self.shared_gpu)
         failed = None  # a backend's start raised: every rank must hear of it, not wait below
         for name in requested:
             reason = REGISTRY[name].unavailable_reason(ctx)
@@ -356,8 +376,10 @@ class Runtime:
         must count the union, not this rank's mask."""
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-        self.local_cpus = len(set().union(*local.allgather(os.sched_getaffinity(0))))
+        facts = local.allgather((os.sched_getaffinity(0), _gpu_id(self.local_rank)))
         local.Free()
+        self.local_cpus = len(set().union(*(cpus for cpus, _ in facts)))
+        self.shared_gpu = shares_a_gpu([gpu for _, gpu in facts])
 
     def _join(self, store, rank: Optional[int], world_size: Optional[int]) -> None:
         """Identity and rendezvous from a caller's store (torch's ``init_method``/``store=``:

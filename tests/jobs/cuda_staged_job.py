@@ -29,6 +29,8 @@ rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 dev = torch.device("cuda", mcrdl.get_local_rank() % torch.cuda.device_count())
 torch.cuda.set_device(dev)
 check(mcrdl.available_backends()[NAME] == "live", mcrdl.available_backends())
+if torch.cuda.device_count() < mcrdl.get_world_size():  # ranks share a GPU: NCCL would refuse it
+    check("share a GPU" in mcrdl.available_backends()["nccl"], mcrdl.available_backends())
 if NAME not in mcrdl.live_backends("cuda"):
     print(f"rank {rank}: SKIP {NAME} takes no CUDA tensors here (MPI is not CUDA-aware)")
     mcrdl.destroy_process_group()

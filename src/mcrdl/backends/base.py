@@ -26,15 +26,18 @@ OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_sc
 
 
 class Context:
-    """What a backend may use while starting: identity, launcher handles, timeout."""
+    """What a backend may use while starting: identity, launcher handles,
+    timeout, and whether ranks share a GPU."""
 
     def __init__(self, rank: int, world_size: int, timeout: float, mpi_comm: Any = None,
-                 store: Any = None):
+                 store: Any = None, shared_gpu: bool = False):
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
         self.mpi_comm = mpi_comm
         self.store = store
+        #: two of this host's ranks use the same GPU (known where MPI launched the job)
+        self.shared_gpu = shared_gpu
 
 
 class Backend:

@@ -231,6 +231,8 @@ class NCCLBackend(TorchBackend):
             return "no CUDA device"
         if not dist.is_nccl_available():
             return "this torch build has no NCCL"
+        if ctx.shared_gpu:
+            return "ranks on this host share a GPU (NCCL needs one per rank)"
         if ctx.store is None:
             return "no rendezvous store"
         return None
