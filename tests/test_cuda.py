@@ -1,5 +1,9 @@
 """CUDA paths: NCCL ops and program order against the CPU backends, with one
 rank per GPU (NCCL refuses two ranks on one GPU); skipped without CUDA."""
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -57,3 +61,20 @@ def test_ddp_on_cuda_tensors(nprocs):
     trains the same parameters as DDP over gloo on the CPU."""
     out = run_job(nprocs, "cuda_ddp_job.py", timeout=300)
     assert out.count("CUDA DDP OK") == nprocs, out[-3000:]
+
+
+def test_demo_on_cuda_tensors(tmp_path):
+    """`mcrdl demo --device cuda` at 2 ranks: the workloads train on the GPU
+    (shared when there is one: then without NCCL) in the CUDA baselines and the
+    tuned mode, and every mode's losses agree."""
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "mcrdl.cli", "demo", "-n", "2", "--device", "cuda", "--workloads", "moe,ddp",
+           "--steps", "2", "--warmup", "1", "--rounds", "1", "--out", str(out), "--timeout", "400"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=430, cwd=tmp_path)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-5000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["device"] == "cuda" and doc["agree"]
+    modes = {r["mode"] for r in doc["rows"]}
+    assert {"baseline-gloo", "baseline-mpi_staged", "tuned"} <= modes
+    assert ("baseline-nccl" in modes) == (GPUS >= 2)

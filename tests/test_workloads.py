@@ -194,6 +194,29 @@ def test_parse_modes_and_variants():
     with pytest.raises(ValueError, match="unknown mode"):
         parse_modes("torch", moe, "gloo")
     assert parse_modes("autotuned", moe, "gloo") == [("autotuned", "autotuned", None, None)]
+    # CUDA tensors: MPI is host-staged (no CUDA-aware MPI is assumed)
+    assert [m[0] for m in parse_modes("all", moe, "gloo", "cuda")] == \
+        ["baseline-gloo", "baseline-mpi_staged", "coarse", "tuned"]
+
+
+def test_demo_device_and_modes(monkeypatch):
+    """The demo runs on CUDA tensors where torch sees a GPU for every rank,
+    with that device's baselines: NCCL only with a GPU per rank."""
+    import torch
+
+    from mcrdl import demo
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert demo.default_device(2) == "cpu"
+    assert demo.main_modes("cpu", 2) == ["baseline-gloo", "baseline-mpi", "coarse", "tuned"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert demo.default_device(2) == "cpu" and demo.default_device(1) == "cuda"
+    assert demo.main_modes("cuda", 2) == ["baseline-gloo", "baseline-mpi_staged", "coarse", "tuned"]
+    assert demo.main_modes("cuda", 1) == ["baseline-gloo", "baseline-mpi_staged", "baseline-nccl",
+                                          "coarse", "tuned"]
+    with pytest.raises(ValueError, match="unknown modes \\['baseline-mpi_staged'\\] for cpu tensors"):
+        demo._modes("baseline-mpi_staged,tuned", "cpu")
+    assert demo._modes("baseline-nccl,autotuned", "cuda") == ["baseline-nccl", "autotuned"]
 
 
 def test_coarse_map_from_table_majority():
@@ -206,6 +229,7 @@ def test_coarse_map_from_table_majority():
                      "cuda": {"all_to_all": {"2": [{"max_bytes": None, "backend": "nccl"}]}}}}
     assert coarse_map_from_table(doc, ["all_reduce", "all_to_all", "broadcast"], 2) == \
         {"all_reduce": "gloo", "all_to_all": "mpi"}
+    assert coarse_map_from_table(doc, ["all_reduce", "all_to_all"], 2, "cuda") == {"all_to_all": "nccl"}
     # a tie goes to the backend of the largest size
     doc["metadata"]["sweep"]["sizes"] = [4, 1 << 20]
     assert coarse_map_from_table(doc, ["all_reduce"], 2) == {"all_reduce": "gloo"}

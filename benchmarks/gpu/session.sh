@@ -32,7 +32,7 @@ if ! grep -q "fast-path tensor checks: compiled" "$log"; then  # no job should t
     export MCRDL_NATIVE=0
     echo "=== the compiled helpers did not build: MCRDL_NATIVE=0 from here on" >> "$log"
 fi
-step 200 "CUDA tests" $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-}"
+step 320 "CUDA tests (the demo among them)" $py -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-}"
 variants=${BENCH_VARIANTS:-mpi_staged,gloo}
 step 80 "bench, 2 ranks on one GPU, 4 B-1 MiB" $py -m mcrdl.cli bench -n 2 --device cuda --variants $variants \
     --sizes 4,1K,64K,1M --iters 20 --large-iters 5 --warmup 2 --rounds 1 --json "$out/bench_cuda_2ranks_small.json"

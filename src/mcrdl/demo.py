@@ -15,7 +15,9 @@ It starts ``-n`` local ranks of itself (``mcrdl run``), and in that job:
    single library), ``coarse`` (one library per op class, chosen from the tune),
    ``tuned`` (the tuning table: per op and message size); DDP also runs
    ``torch`` (plain DDP, no hook), ``tuned+polled``, ``tuned+fused`` and
-   ``tuned+fp16`` (hook variants). ``--modes`` picks others: ``autotuned``
+   ``tuned+fp16`` (hook variants). With CUDA tensors (``--device cuda``, the
+   default when torch sees a GPU for every rank) the baselines are gloo,
+   ``mpi_staged`` and, with a GPU per rank, NCCL. ``--modes`` picks others: ``autotuned``
    learns its choices from the run's own first calls (``mcrdl.autotune``); a
    demo without ``coarse`` and ``tuned`` skips the quick tune;
 3. each workload writes ``OUT/<workload>.json`` (rank 0).
@@ -47,9 +49,14 @@ WORKLOADS = {
     "megatron-sp": ("megatron", ["--sequence-parallel"], ""),
     "ddp": ("ddp", [], ",tuned+polled,tuned+fused,tuned+fp16,torch"),
 }
-MAIN_MODES = ("baseline-gloo", "baseline-mpi", "coarse", "tuned")
+#: Per device type of the workloads' tensors, the single-library baselines: what
+#: a user of one library has today (CUDA: MPI host-staged; NCCL where every rank
+#: has its own GPU), then the mixed modes.
+BASELINES = {"cpu": ("baseline-gloo", "baseline-mpi"),
+             "cuda": ("baseline-gloo", "baseline-mpi_staged", "baseline-nccl")}
+MIXED_MODES = ("coarse", "tuned")
 #: Every mode the demo can run, in the order it reports them.
-MODES = MAIN_MODES + ("autotuned",)
+MODES = tuple(dict.fromkeys(BASELINES["cpu"] + BASELINES["cuda"])) + MIXED_MODES + ("autotuned",)
 #: Modes that need the tuning table (the quick tune, or --table).
 TABLE_MODES = ("coarse", "tuned")
 TUNE_OPS = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
@@ -67,8 +74,11 @@ def add_args(p) -> None:
     p.add_argument("--rounds", type=int, default=6,
                    help="rounds; every mode runs once per round, interleaved (default 6)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--modes", default=",".join(MAIN_MODES),
-                   help=f"comma list of {', '.join(MODES)} (default: {','.join(MAIN_MODES)})")
+    p.add_argument("--device", choices=tuple(BASELINES),
+                   help="where the workloads' models and data live (default: cuda when torch sees a "
+                        "GPU for every rank, else cpu)")
+    p.add_argument("--modes", help=f"comma list of {', '.join(MODES)} (default: the device's "
+                                   f"baselines, {','.join(MIXED_MODES)})")
     p.add_argument("--table", help="use this tuning table instead of running the quick tune")
     p.add_argument("--tune-sizes", default=TUNE_SIZES, help=f"sizes of the quick tune (default {TUNE_SIZES})")
     p.add_argument("--timeout", type=float, default=900, help="kill the job after this many seconds")
@@ -95,17 +105,34 @@ def _selected(spec: str) -> List[str]:
     return names
 
 
-def _modes(spec: str) -> List[str]:
+def default_device(nprocs: int) -> str:
+    """cuda when torch sees a GPU for each of ``nprocs`` local ranks, else cpu."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "cpu"
+
+
+def main_modes(device: str, nprocs: int) -> List[str]:
+    """The default modes: the device's baselines (NCCL only with a GPU per rank), then the mixed ones."""
+    import torch
+
+    own_gpus = device == "cuda" and torch.cuda.device_count() >= nprocs
+    return [m for m in BASELINES[device] if m != "baseline-nccl" or own_gpus] + list(MIXED_MODES)
+
+
+def _modes(spec: str, device: str) -> List[str]:
     modes = [m.strip() for m in spec.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    known = [m for m in MODES if not m.startswith("baseline-") or m in BASELINES[device]]
+    bad = [m for m in modes if m not in known]
     if bad or not modes:
-        raise ValueError(f"unknown modes {bad} (expected some of {', '.join(MODES)})")
+        raise ValueError(f"unknown modes {bad} for {device} tensors (expected some of {', '.join(known)})")
     return modes
 
 
 def main(args) -> int:
     names = _selected(args.workloads)
-    args.modes = ",".join(_modes(args.modes))
+    args.device = args.device or default_device(args.nprocs)
+    args.modes = ",".join(_modes(args.modes or ",".join(main_modes(args.device, args.nprocs)), args.device))
     if not _in_job():
         return _outer(args, names)
     rc = _inner(args, names)
@@ -136,11 +163,12 @@ def _outer(args, names: List[str]) -> int:
             os.remove(path)
     argv = ["-m", "mcrdl.cli", "demo", "--no-report", "--out", args.out, "--workloads", ",".join(names),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-            "--seed", str(args.seed), "--tune-sizes", args.tune_sizes, "--modes", args.modes]
+            "--seed", str(args.seed), "--tune-sizes", args.tune_sizes, "--modes", args.modes,
+            "--device", args.device]
     if args.table:
         argv += ["--table", args.table]
     tune = "" if args.table or not set(TABLE_MODES) & set(args.modes.split(",")) else "quick tune, then "
-    print(f"mcrdl demo: {args.nprocs} local ranks; {tune}{', '.join(names)} in modes "
+    print(f"mcrdl demo: {args.nprocs} local ranks, {args.device} tensors; {tune}{', '.join(names)} in modes "
           f"{args.modes.replace(',', ', ')} ({args.steps} timed steps x {args.rounds} rounds each)", flush=True)
     t0 = time.time()
     load0 = _loadavg()
@@ -172,8 +200,8 @@ def _inner(args, names: List[str]) -> int:
     table = args.table
     if table is None and set(TABLE_MODES) & set(modes):
         table = os.path.join(args.out, "table.json")
-        rc = cli.main(["tune", "--quick", "--device", "cpu", "--ops", ",".join(TUNE_OPS), "--sizes", args.tune_sizes,
-                       "--rounds", "5", "--out", table])
+        rc = cli.main(["tune", "--quick", "--device", args.device, "--ops", ",".join(TUNE_OPS),
+                       "--sizes", args.tune_sizes, "--rounds", "5", "--out", table])
         if rc != 0:
             return rc
     worst = 0
@@ -183,8 +211,8 @@ def _inner(args, names: List[str]) -> int:
         extra_modes = more_modes if "tuned" in modes else ""  # DDP's hook variants of tuned
         argv = ["--mode", ",".join(modes) + extra_modes, *(["--table", table] if table else []),
                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-                "--seed", str(args.seed), "--json", os.path.join(args.out, f"{name}.json"), "--quiet",
-                *extra]
+                "--seed", str(args.seed), "--device", args.device, "--json", os.path.join(args.out, f"{name}.json"),
+                "--quiet", *extra]
         _say(f"== {name}: {module}.py {' '.join(argv)}")
         rc = mod.main(argv)
         worst = worst or rc
@@ -307,7 +335,7 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
         console.print(f"load average (1, 5, 15 min) at start {load['start']}, at end {load['end']} "
                       f"on {os.cpu_count()} CPUs")
     doc = {"format": FORMAT, "command": command, "elapsed_s": elapsed,
-           "host": platform.node(), "cpus": os.cpu_count(), "loadavg": load,
+           "host": platform.node(), "cpus": os.cpu_count(), "loadavg": load, "device": args.device,
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "seed": args.seed,
            "table": table_path, "tuning_rules": rules, "rows": rows, "agree": agree_ok,
            "missing": missing, "chart": png,
@@ -338,7 +366,8 @@ def chart(rows: List[dict], path: str) -> None:
     fig, axes = plt.subplots(1, 2 if extra else 1, figsize=(12 if extra else 9, 4.2), squeeze=False,
                              gridspec_kw={"width_ratios": [3, 1.2]} if extra else None)
     ax = axes[0][0]
-    colors = {"baseline-gloo": "#9e9e9e", "baseline-mpi": "#607d8b", "coarse": "#64b5f6",
+    colors = {"baseline-gloo": "#9e9e9e", "baseline-mpi": "#607d8b", "baseline-mpi_staged": "#607d8b",
+              "baseline-nccl": "#8d6e63", "coarse": "#64b5f6",
               "tuned": "#1565c0", "torch": "#bdbdbd", "tuned+polled": "#00897b", "tuned+fused": "#2e7d32",
               "tuned+fp16": "#f9a825", "autotuned": "#6a1b9a"}
     w = 0.8 / len(main)

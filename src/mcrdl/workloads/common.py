@@ -56,6 +56,7 @@ import torch
 
 import mcrdl
 from mcrdl.backends import REGISTRY
+from mcrdl.bench import rank_device
 from mcrdl.tuning import TuningTable
 
 FORMAT = "mcrdl-workload/1"
@@ -240,6 +241,8 @@ class Workload:
     modes_extra: tuple = ()     # extra mode names (DDP: "torch")
     lossy_variants: tuple = ()  # variants whose results may differ (compression)
     sample_unit = "samples"
+    #: where this rank's model and data live (``--device``); set by the runner before build
+    device = torch.device("cpu")
 
     def add_args(self, p: argparse.ArgumentParser) -> None:
         pass
@@ -267,13 +270,17 @@ class Workload:
 
 
 # -- modes ----------------------------------------------------------------------------------
-def parse_modes(spec: str, workload: Workload, baseline_backend: str) -> List[tuple]:
+#: The single-library baselines of mode ``all`` per device type (CUDA: MPI host-staged).
+BASELINES = {"cpu": ("gloo", "mpi"), "cuda": ("gloo", "mpi_staged")}
+
+
+def parse_modes(spec: str, workload: Workload, baseline_backend: str, device: str = "cpu") -> List[tuple]:
     """``"baseline,coarse,tuned+fused"`` -> [(label, kind, backend, variant)]."""
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item == "all":
-            for lbl in ("baseline-gloo", "baseline-mpi", "coarse", "tuned"):
-                out.extend(parse_modes(lbl, workload, baseline_backend))
+            for lbl in [f"baseline-{b}" for b in BASELINES[device]] + ["coarse", "tuned"]:
+                out.extend(parse_modes(lbl, workload, baseline_backend, device))
             continue
         base, _, variant = item.partition("+")
         variant = variant or None
@@ -299,13 +306,13 @@ def parse_modes(spec: str, workload: Workload, baseline_backend: str) -> List[tu
     return out
 
 
-def coarse_map_from_table(doc: dict, ops: Sequence[str], world: int) -> Dict[str, str]:
+def coarse_map_from_table(doc: dict, ops: Sequence[str], world: int, device: str = "cpu") -> Dict[str, str]:
     """Per op class: the backend the table picks for most of its measured sizes
     (ties: the one picked for the largest size). Coarse mixing = one backend per
     operation, chosen from the same measurements as the tuned table. ``doc``:
-    a table document in the current format (``TuningTable.to_dict()``); the
-    workloads' tensors are on the CPU, so its cpu rules decide."""
-    rules = doc.get("rules", {}).get("cpu", {})
+    a table document in the current format (``TuningTable.to_dict()``), whose
+    rules for the workload's ``device`` decide."""
+    rules = doc.get("rules", {}).get(device, {})
     sizes = sorted(doc.get("metadata", {}).get("sweep", {}).get("sizes") or [])
     out = {}
     for op in ops:
@@ -388,13 +395,14 @@ def gather_json(obj) -> Optional[list]:
     return [json.loads(r[8:8 + int.from_bytes(r[:8], "little")]) for r in rows]
 
 
-def _quick_tune(ops: Sequence[str], out: str) -> None:
-    """``mcrdl tune --quick`` of ``ops`` inside this job (every rank calls it)."""
+def _quick_tune(ops: Sequence[str], out: str, device: str) -> None:
+    """``mcrdl tune --quick`` of ``ops`` on ``device`` tensors inside this job
+    (every rank calls it)."""
     from mcrdl import cli
 
     d = os.path.dirname(os.path.abspath(out))
     os.makedirs(d, exist_ok=True)
-    rc = cli.main(["tune", "--quick", "--device", "cpu", "--ops", ",".join(ops), "--out", out])
+    rc = cli.main(["tune", "--quick", "--device", device, "--ops", ",".join(ops), "--out", out])
     if rc != 0:
         raise RuntimeError(f"mcrdl tune exited {rc}")
 
@@ -409,7 +417,7 @@ def parser(workload: Workload) -> argparse.ArgumentParser:
                    help="baseline | baseline-<backend> | coarse | tuned | autotuned"
                         + "".join(f" | {m}" for m in workload.modes_extra)
                         + ", optionally +variant, or a comma list; 'all' = baseline-gloo,"
-                          "baseline-mpi,coarse,tuned (default: tuned)")
+                          "baseline-mpi (cuda: baseline-mpi_staged),coarse,tuned (default: tuned)")
     p.add_argument("--baseline-backend", default="gloo", help="backend of 'baseline' (default gloo)")
     p.add_argument("--table", help="tuning table (tuned, and coarse without --coarse-map); "
                                    "default: run `mcrdl tune --quick` on the workload's ops")
@@ -420,6 +428,9 @@ def parser(workload: Workload) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--rounds", type=int, default=1, help="repeat all modes this many times, interleaved")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=tuple(BASELINES), default="cpu",
+                   help="where the model and data live (cuda: the GPU of local rank modulo the GPUs "
+                        "seen; ranks may share one, then without NCCL) (default cpu)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
                    help=f"loss/parameter agreement tolerance across modes (default {DEFAULT_RTOL})")
@@ -445,11 +456,12 @@ def _digest(params: Sequence[torch.Tensor]) -> List[float]:
     return [s, sq, w]
 
 
-def _profile(prof: list) -> list:
-    """[(op, bytes, backend, count)] of one step's calls (backend as selected now)."""
+def _profile(prof: list, device: str) -> list:
+    """[(op, bytes, backend, count)] of one step's calls (backend as selected now;
+    a call noted by its size alone was on ``device`` tensors)."""
     rows: Dict[tuple, int] = {}
     for op, t, group in prof:
-        text = mcrdl.explain(op, t, group=group)
+        text = mcrdl.explain(op, t, group=group, device=device)
         head, _, rest = text.partition(": ")
         nbytes = int(head.split(" of ")[1].split(" B")[0])
         backend = rest.split(" (")[0]
@@ -486,6 +498,10 @@ def run_mode(workload: Workload, args, label: str, kind: str, backend: Optional[
     kwargs = init_kwargs(kind, backend, workload.ops, table, coarse)
     mcrdl.init_process_group(timeout=args.timeout, **kwargs)
     try:
+        workload.device = rank_device(args.device)
+        if kind == "baseline" and backend not in mcrdl.live_backends(args.device):
+            raise ValueError(f"{workload.name}: mode {label}: backend {backend!r} takes no {args.device} "
+                             f"tensors here (live for {args.device}: {', '.join(mcrdl.live_backends(args.device))})")
         workload.build(args, kind, variant, run_id)
         losses, step_s, comm_s, prof = [], [], [], []
         for i in range(args.warmup):
@@ -504,7 +520,7 @@ def run_mode(workload: Workload, args, label: str, kind: str, backend: Optional[
             if timer.profiling:
                 timer.profiling = False
                 prof, timer.profile = timer.profile, []
-        profile = _profile(prof)
+        profile = _profile(prof, args.device)
         mine = {"losses": losses, "step_s": step_s, "comm_s": comm_s,
                 "digest": _digest(workload.parameters())}
         if tuned is not None:  # what autotune tried, and what was still exploring after the warm-up
@@ -647,7 +663,7 @@ def _abort_job() -> None:
 def _main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
     args = parser(workload).parse_args(argv)
     torch.set_num_threads(args.threads)
-    modes = parse_modes(args.mode, workload, args.baseline_backend)
+    modes = parse_modes(args.mode, workload, args.baseline_backend, args.device)
     kinds = {k for _, k, _, _ in modes}
     table = coarse = None
     if "coarse" in kinds and args.coarse_map:
@@ -658,7 +674,7 @@ def _main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
         path = args.table
         if path is None:
             path = args.tune_out
-            _quick_tune(workload.ops, path)
+            _quick_tune(workload.ops, path, args.device)
     mcrdl.init_process_group()
     try:
         world = mcrdl.get_world_size()
@@ -670,7 +686,7 @@ def _main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
     for rnd in range(args.rounds):
         for label, kind, backend, variant in modes:
             if kind == "coarse" and coarse is None:
-                coarse = coarse_map_from_table(table, workload.ops, world)
+                coarse = coarse_map_from_table(table, workload.ops, world, args.device)
             rec = run_mode(workload, args, label, kind, backend, variant, table, coarse, run_id)
             run_id += 1
             if rec:
@@ -688,7 +704,7 @@ def _main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
     doc = {"format": FORMAT, "workload": workload.name, "world_size": world,
            "config": workload.config(args), "samples_per_step": samples,
            "sample_unit": workload.sample_unit, "steps": args.steps, "warmup": args.warmup,
-           "rounds": args.rounds, "seed": args.seed, "threads": args.threads,
+           "rounds": args.rounds, "seed": args.seed, "threads": args.threads, "device": args.device,
            "modes": [m[0] for m in modes], "coarse_map": coarse,
            "table": args.table or (args.tune_out if table is not None else None),
            "command": " ".join([os.path.basename(sys.argv[0]), *(argv if argv is not None else sys.argv[1:])]),

@@ -76,12 +76,12 @@ class DDP(Workload):
             layers.append(nn.Linear(m, n))
             if i < len(sizes) - 2:
                 layers.append(nn.GELU())
-        self.net = nn.Sequential(*layers)
+        self.net = nn.Sequential(*layers).to(self.device)
         self.model = nn.parallel.DistributedDataParallel(self.net, bucket_cap_mb=a.bucket_mb)
         if mode != "torch":
             register(self.model, variant or "allreduce", wrap=self._timed(variant))
         self.opt = torch.optim.SGD(self.model.parameters(), lr=a.lr, momentum=0.9)
-        self.teacher = torch.randn(a.inputs, a.classes, generator=generator(a.seed, 3))
+        self.teacher = torch.randn(a.inputs, a.classes, generator=generator(a.seed, 3)).to(self.device)
 
     @staticmethod
     def _timed(variant):
@@ -111,7 +111,7 @@ class DDP(Workload):
     def batch(self, i):
         a = self.args
         g = generator(a.seed, self.rank, i)
-        x = torch.randn(a.batch, a.inputs, generator=g)
+        x = torch.randn(a.batch, a.inputs, generator=g).to(self.device)
         y = (x @ self.teacher).argmax(1)
         return x, y
 

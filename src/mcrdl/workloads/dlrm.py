@@ -78,12 +78,12 @@ class DLRM(Workload):
         embs = [nn.EmbeddingBag(a.rows, D, mode="sum", sparse=True) for _ in range(T)]
         for e in embs:
             nn.init.uniform_(e.weight, -0.05, 0.05)
-        self.embs = nn.ModuleList(embs[t] for t in self.mine)  # same init as a 1-rank model
+        self.embs = nn.ModuleList(embs[t] for t in self.mine).to(self.device)  # same init as a 1-rank model
         hidden = [int(x) for x in a.bottom.split(",") if x]
-        self.bottom = mlp([a.dense, *hidden, D], last_act=True)
+        self.bottom = mlp([a.dense, *hidden, D], last_act=True).to(self.device)
         pairs = (T + 1) * T // 2
         top = [int(x) for x in a.top.split(",") if x]
-        self.top = mlp([D + pairs, *top, 1])
+        self.top = mlp([D + pairs, *top, 1]).to(self.device)
         self.dense_params = list(self.bottom.parameters()) + list(self.top.parameters())
         self.opt = torch.optim.Adam(self.dense_params, lr=a.lr)
         self.emb_opt = torch.optim.SGD(self.embs.parameters(), lr=a.emb_lr) if self.mine else None
@@ -92,7 +92,7 @@ class DLRM(Workload):
         self.truth_dense = torch.randn(a.dense, generator=g)
         self.truth_rows = torch.randn(T, a.rows, generator=g) * 0.5
         # rows of the interaction matrix kept (i < j)
-        self.iu = torch.triu_indices(T + 1, T + 1, offset=1)
+        self.iu = torch.triu_indices(T + 1, T + 1, offset=1, device=self.device)
 
     def batch(self, i):
         a = self.args
@@ -106,7 +106,7 @@ class DLRM(Workload):
             .view(a.tables, Bg, a.bag).sum((0, 2)) / a.bag
         clicks = (torch.rand(Bg, generator=g) < torch.sigmoid(score)).float()
         lo, hi = self.rank * a.batch, (self.rank + 1) * a.batch
-        return dense[lo:hi], idx, clicks[lo:hi]
+        return dense[lo:hi].to(self.device), idx.to(self.device), clicks[lo:hi].to(self.device)
 
     def step(self, i):
         a = self.args
@@ -119,7 +119,7 @@ class DLRM(Workload):
         if self.mine:
             pooled = torch.stack([e(idx[:, t, :]) for e, t in zip(self.embs, self.mine)], dim=1)
         else:
-            pooled = torch.zeros(Bl * W, 0, D, requires_grad=True)
+            pooled = torch.zeros(Bl * W, 0, D, device=self.device, requires_grad=True)
         send = pooled.reshape(Bl * W * len(self.mine), D)       # rows grouped by destination
         in_splits = [Bl * len(self.mine)] * W
         out_splits = [Bl * c for c in self.count]

@@ -223,18 +223,18 @@ class Megatron(Workload):
         self.sp = a.sequence_parallel and t > 1
         torch.manual_seed(a.seed)
         self.layers = nn.ModuleList(TPLayer(a.hidden, a.heads, a.ffn, t, self.tp_rank,
-                                            self.tp_group, self.sp) for _ in range(a.layers))
-        self.ln_f = nn.LayerNorm(a.hidden)
+                                            self.tp_group, self.sp) for _ in range(a.layers)).to(self.device)
+        self.ln_f = nn.LayerNorm(a.hidden).to(self.device)
         self.params = [*self.layers.parameters(), *self.ln_f.parameters()]
         self.replicated = [p for layer in self.layers for p in layer.replicated()] + \
             list(self.ln_f.parameters())
         self.opt = torch.optim.Adam(self.params, lr=a.lr)
-        self.A = torch.randn(a.hidden, a.hidden, generator=generator(a.seed, 5)) / math.sqrt(a.hidden)
+        self.A = (torch.randn(a.hidden, a.hidden, generator=generator(a.seed, 5)) / math.sqrt(a.hidden)).to(self.device)
 
     def batch(self, i):
         a = self.args
         g = generator(a.seed, self.dp_rank, i)
-        x = torch.randn(a.seq, a.batch, a.hidden, generator=g)
+        x = torch.randn(a.seq, a.batch, a.hidden, generator=g).to(self.device)
         y = torch.tanh(x @ self.A)
         if self.sp:
             n = a.seq // self.t

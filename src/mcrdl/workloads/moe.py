@@ -74,7 +74,7 @@ class MoELayer(nn.Module):
         # assignments, first choices first; capacity per expert
         cap = math.ceil(self.cf * k * T / E)
         flat_e = topi.t().reshape(-1)
-        flat_tok = torch.arange(T).repeat(k)
+        flat_tok = torch.arange(T, device=x.device).repeat(k)
         flat_w = topv.t().reshape(-1)
         pos = F.one_hot(flat_e, E).cumsum(0).gather(1, flat_e[:, None]).squeeze(1) - 1
         keep = pos < cap
@@ -91,7 +91,7 @@ class MoELayer(nn.Module):
         # dispatch
         recv = AllToAll.apply(x[tok_s], out_splits, in_splits)
         # local experts on the rows that arrived (grouped by source, then expert)
-        local_e = torch.arange(el).repeat(world).repeat_interleave(recv_mat.reshape(-1))
+        local_e = torch.arange(el, device=x.device).repeat(world).repeat_interleave(recv_mat.reshape(-1))
         out = torch.zeros_like(recv)
         for j, expert in enumerate(self.experts):
             idx = (local_e == j).nonzero().squeeze(1)
@@ -177,7 +177,7 @@ class MoE(Workload):
         torch.manual_seed(args.seed)
         self.model = MoEModel(args.vocab, args.d_model, args.heads, args.ffn, args.layers,
                               args.seq, self.world, self.rank, args.experts_per_rank,
-                              args.top_k, args.capacity_factor)
+                              args.top_k, args.capacity_factor).to(self.device)
         self.shared = [p for n, p in self.model.named_parameters() if ".experts." not in n]
         self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr)
         g = generator(args.seed, 99)
@@ -192,6 +192,7 @@ class MoE(Workload):
         rand = torch.randint(a.vocab, (a.batch, a.seq), generator=g)
         for t in range(a.seq):
             toks[:, t + 1] = torch.where(noise[:, t], rand[:, t], self.perm[toks[:, t]])
+        toks = toks.to(self.device)
         return toks[:, :-1], toks[:, 1:]
 
     def step(self, i):
