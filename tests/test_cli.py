@@ -45,6 +45,8 @@ def test_open_mpis_mpiexec_gets_its_own_options(tmp_path):
     # Open MPI binds to cores unless told not to: with one core each, gloo's threads and CUDA
     # copies shared it with the rank's polling (gloo 64 KiB on CUDA tensors: 3.3 ms, on a GPU machine)
     assert launcher.build_command(2, ["x.py"], mpiexec=str(fake))[7:9] == ["--bind-to", "none"]
+    own = launcher.build_command(2, ["x.py"], mpiexec=str(fake), extra=["--bind-to", "socket"])
+    assert own.count("--bind-to") == 1 and own[7:9] == ["--bind-to", "socket"]  # the user's, not two
     assert launcher.mpiexec_family(launcher.find_mpiexec()) == "hydra"  # the mpich wheel's
 
 

@@ -420,6 +420,15 @@ def test_nccl_is_not_started_where_ranks_share_a_gpu(monkeypatch):
     assert not shares_a_gpu(["GPU-a", "GPU-b"]) and not shares_a_gpu([None, None]) and not shares_a_gpu([])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    # each rank's GPU by mcrdl's convention (local rank modulo the GPUs seen); an all-zero
+    # UUID (some ROCm devices) is unknown, or every rank would look like sharing one
+    from types import SimpleNamespace
+
+    from mcrdl.runtime import _gpu_id
+    uuids = ["GPU-7f3a", "00000000-0000-0000-0000-000000000000"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))
+    assert [_gpu_id(r) for r in range(3)] == ["GPU-7f3a", None, "GPU-7f3a"]
     store = object()
     assert NCCLBackend.unavailable_reason(Context(0, 2, 10, store=store)) is None
     reason = NCCLBackend.unavailable_reason(Context(0, 2, 10, store=store, shared_gpu=True))

@@ -210,6 +210,7 @@ def test_demo_device_and_modes(monkeypatch):
     assert demo.main_modes("cpu", 2) == ["baseline-gloo", "baseline-mpi", "coarse", "tuned"]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     assert demo.default_device(2) == "cpu" and demo.default_device(1) == "cuda"
     assert demo.main_modes("cuda", 2) == ["baseline-gloo", "baseline-mpi_staged", "coarse", "tuned"]
     assert demo.main_modes("cuda", 1) == ["baseline-gloo", "baseline-mpi_staged", "baseline-nccl",

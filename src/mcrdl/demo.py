@@ -115,9 +115,10 @@ def default_device(nprocs: int) -> str:
 def main_modes(device: str, nprocs: int) -> List[str]:
     """The default modes: the device's baselines (NCCL only with a GPU per rank), then the mixed ones."""
     import torch
+    import torch.distributed as dist
 
-    own_gpus = device == "cuda" and torch.cuda.device_count() >= nprocs
-    return [m for m in BASELINES[device] if m != "baseline-nccl" or own_gpus] + list(MIXED_MODES)
+    nccl = device == "cuda" and torch.cuda.device_count() >= nprocs and dist.is_nccl_available()
+    return [m for m in BASELINES[device] if m != "baseline-nccl" or nccl] + list(MIXED_MODES)
 
 
 def _modes(spec: str, device: str) -> List[str]:

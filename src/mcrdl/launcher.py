@@ -16,7 +16,8 @@ every rank.
 Binding (``bind``): ``none`` (default) leaves placement to the OS (Open MPI's
 ``mpiexec``, which binds each rank to a core by default, is told
 ``--bind-to none``); ``core`` pins each rank to one core (``mpiexec -bind-to
-core``, ``srun --cpu-bind=cores``).
+core``, ``srun --cpu-bind=cores``). A binding in ``extra`` (``--bind-to``,
+``--map-by ...:PE=n``) replaces mcrdl's.
 Pinned, MPI calls no longer suffer the phases in which the scheduler puts two
 busy-polling ranks on one core; but a library's own threads (gloo's TCP loop)
 then share their rank's core with MPI's busy polling, and gloo send/recv after
@@ -129,6 +130,8 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
             cmd += [hosts_option, hosts]
         if hostfile:
             cmd += [hostfile_option, hostfile]
+        if any("bind-to" in a or "PE=" in a for a in extra):  # the user's binding, not a conflicting one
+            return cmd + list(extra) + with_env
         return cmd + bindings[bind] + list(extra) + with_env
     if launcher == "srun":
         return ["srun", "-n", str(nprocs), *(["--cpu-bind=cores"] if bind == "core" else []),

@@ -179,9 +179,10 @@ def _gpu_id(local_rank: int) -> Optional[str]:
     if not torch.cuda.is_available():
         return None
     try:
-        return str(torch.cuda.get_device_properties(local_rank % torch.cuda.device_count()).uuid)
+        uuid = str(torch.cuda.get_device_properties(local_rank % torch.cuda.device_count()).uuid)
     except Exception:  # (a torch without device UUIDs): unknown, assumed not shared
         return None
+    return uuid if uuid.strip("0-") else None  # all zeros (some ROCm devices): unknown
 
 
 def shares_a_gpu(gpus: Sequence[Optional[str]]) -> bool:

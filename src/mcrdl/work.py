@@ -34,6 +34,10 @@ class Pending:
     progress_domain: Optional[str] = None
     #: A ``block`` that reached its deadline leaves the request to be waited for again.
     resumable_block = True
+    #: CUDA: the stream the op was submitted on, ordered after its results when it
+    #: completes (they may still be landing then); its completion steps run on it.
+    #: None: the results are in place when the host sees it complete.
+    stream = None
     __slots__ = ()  # subclasses on the hot path declare theirs: no per-request __dict__
 
     def test(self) -> bool:
@@ -93,6 +97,21 @@ class AfterAll(Pending):
             if w._error is not None:
                 raise w._error
         return True
+
+
+def on_stream(stream, fn: Callable, *args):
+    """``fn(*args)`` with the CUDA ``stream`` current; the thread's device is
+    restored without making a context on GPU 0 for a thread that never used it."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        return fn(*args)
+
+
+def order_current_after(stream) -> None:
+    """Make the calling thread's current stream (of ``stream``'s device) wait
+    for the work queued on ``stream`` so far (torch's ``Work.wait()`` contract)."""
+    current = torch.cuda.current_stream(stream.device)
+    if current != stream:
+        current.wait_stream(stream)
 
 
 def run_post(post: Sequence[Callable[[], None]]) -> None:
@@ -225,7 +244,7 @@ class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
     __slots__ = ("op", "backend", "group", "peer", "_engine", "_pending", "_post", "_reads", "_writes",
-                 "_deadline", "_done", "_error", "_result", "_future", "_settled", "_spans")
+                 "_deadline", "_done", "_error", "_result", "_future", "_settled", "_spans", "_stream")
 
     def __init__(self, engine: "Engine", op: str, backend: str, pending: Pending,
                  reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = (),
@@ -247,6 +266,7 @@ class Work:
         self._future: Optional[torch.futures.Future] = None
         self._settled = False  # the future was given its value
         self._spans: Optional[list] = None  # _ranges(reads, writes), computed once when needed
+        self._stream = None  # CUDA: the stream its results are ordered on (Pending.stream), once done
 
     def __repr__(self) -> str:
         state = "failed" if self._error else ("done" if self._done else "pending")
@@ -271,7 +291,8 @@ class Work:
         from submission) and a work that misses it is failed for good (its
         peers are presumed dead or stuck); the error says which peers are
         missing. With ``timeout`` a :class:`CommTimeoutError` is raised but the
-        work stays outstanding: it can be waited for again."""
+        work stays outstanding: it can be waited for again. CUDA tensors: the
+        caller's current stream is ordered after the results, as with torch."""
         if not self._done:
             if timeout is None:
                 self._engine.wait(self, self._deadline)
@@ -282,6 +303,8 @@ class Work:
                                            f"within {seconds:.3g} s (still outstanding: wait again)")
         if self._error is not None:
             raise self._engine.explain(self)
+        if self._stream is not None:
+            order_current_after(self._stream)
         return True
 
     def result(self) -> list[torch.Tensor]:
@@ -353,9 +376,13 @@ class Work:
         """Mark done: run completion steps; the caller settles the future.
         ``error``: what the library raised (or a CommError of mcrdl's own)."""
         in_library = error is not None and not isinstance(error, CommError)
+        stream = self._stream = self._pending.stream
         if error is None:
             try:
-                run_post(self._post)
+                if stream is None or not self._post:
+                    run_post(self._post)
+                else:  # after the results on the stream they land on, whichever thread this is
+                    on_stream(stream, run_post, self._post)
             except Exception as exc:  # surfaced on wait()
                 error = exc
         if error is not None and not isinstance(error, CommError):

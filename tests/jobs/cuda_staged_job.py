@@ -30,7 +30,7 @@ dev = torch.device("cuda", mcrdl.get_local_rank() % torch.cuda.device_count())
 torch.cuda.set_device(dev)
 check(mcrdl.available_backends()[NAME] == "live", mcrdl.available_backends())
 if torch.cuda.device_count() < mcrdl.get_world_size():  # ranks share a GPU: NCCL would refuse it
-    check("share a GPU" in mcrdl.available_backends()["nccl"], mcrdl.available_backends())
+    check(mcrdl.available_backends()["nccl"] != "live", mcrdl.available_backends())
 if NAME not in mcrdl.live_backends("cuda"):
     print(f"rank {rank}: SKIP {NAME} takes no CUDA tensors here (MPI is not CUDA-aware)")
     mcrdl.destroy_process_group()
@@ -105,21 +105,37 @@ for i, (dtype, future) in enumerate([(torch.float32, False)] * 3 + [(torch.bfloa
     if not bool((x.cpu() == sum(r + 1 for r in range(world))).all()):
         violations.append(f"the op ran before its producer: {dtype} future={future} {x[:4].tolist()}")
     check(i == 0 or submit_s < SLEEP_S / 2, f"submitting blocked the caller for {submit_s:.3f} s")  # (warm)
-# The submitting stream gets the results: an op submitted on a side stream and
-# waited for with another stream current; the side stream reads at once, while
-# a 64 MiB copy back is still landing if it was not made to wait for it
+# Where the results are ordered: an op submitted on a side stream is waited for
+# with another stream current, and read at once (a 64 MiB copy back would still
+# be landing if the reader's stream were not made to wait for it) on the side
+# stream (the submitting one: mcrdl orders it at completion), or on the stream
+# current at wait() (torch's contract), also after an AVG's divide (a completion
+# step) and gloo's reduce_scatter (which copies its output inside wait()).
 side = torch.cuda.Stream(dev)
-for _ in range(3):
-    with torch.cuda.stream(side):
-        x = torch.full((1 << 24,), float(rank + 1), device=dev)
-        work = mcrdl.all_reduce(x, backend=NAME, async_op=True)
-    work.wait()
-    with torch.cuda.stream(side):
-        got = x.clone()
-    side.synchronize()
-    if not bool((got.cpu() == sum(r + 1 for r in range(world))).all()):
-        violations.append(f"the submitting stream read before the results landed: {got[:2].tolist()}")
-        break
+total, n = sum(r + 1 for r in range(world)), 1 << 24
+for what, reader in [("sum", "side"), ("sum", "current"), ("avg", "current"), ("reduce_scatter", "side"),
+                     ("reduce_scatter", "current")]:
+    for _ in range(3):
+        with torch.cuda.stream(side):
+            if what == "reduce_scatter":
+                x = torch.empty(n, device=dev)
+                inp = torch.full((world * n,), float(rank + 1), device=dev)
+                work = mcrdl.reduce_scatter_tensor(x, inp, backend=NAME, async_op=True)
+            else:
+                x = torch.full((n,), float(rank + 1), device=dev)
+                op = mcrdl.ReduceOp.AVG if what == "avg" else mcrdl.ReduceOp.SUM
+                work = mcrdl.all_reduce(x, op=op, backend=NAME, async_op=True)
+        work.wait()
+        if reader == "side":
+            with torch.cuda.stream(side):
+                got = x.clone()
+        else:
+            got = x.clone()
+        torch.cuda.synchronize(dev)
+        want = total / world if what == "avg" else total
+        if not bool((got.cpu() == want).all()):
+            violations.append(f"{what} read on the {reader} stream before its results landed: {got[:2].tolist()}")
+            break
 # Write after read: a clone of dst queued behind a GPU sleep must see dst's old
 # values, though the peer's send completes on the host meanwhile (the receive,
 # or its copy back, waits for the work queued before it)

@@ -21,12 +21,20 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..work import Pending
+from ..work import Pending, on_stream
 from .base import Context
 from .mpi import DeferredPending, MPIBackend
 
 #: (device tensor, host buffer, copy in before the op, copy back after it)
 Entry = tuple[torch.Tensor, torch.Tensor, bool, bool]
+
+
+def _copy_all(pairs, side) -> None:
+    """``dst.copy_(src)`` for each pair, without blocking, on the current
+    stream ``side``; the device tensors are kept from the allocator until it ran."""
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
+        (src if src.is_cuda else dst).record_stream(side)
 
 
 class StagedPending(DeferredPending):
@@ -105,12 +113,9 @@ class StagedMPIBackend(MPIBackend):
                 return True
             side = self.streams(copies[0][0].device)[0]
             side.wait_event(pending.submitted)
-            with torch.cuda.stream(side):
-                for t, host in copies:
-                    host.copy_(t, non_blocking=True)
-                    t.record_stream(side)  # the allocator must not reuse it before the copy ran
-                event = torch.cuda.Event()
-                event.record(side)
+            on_stream(side, _copy_all, [(host, t) for t, host in copies], side)
+            event = torch.cuda.Event()
+            event.record(side)
             return event
 
     def copy_out(self, pending: StagedPending) -> None:
@@ -127,12 +132,9 @@ class StagedMPIBackend(MPIBackend):
                 return
             side = self.streams(copies[0][0].device)[1]
             side.wait_event(pending.submitted)
-            with torch.cuda.stream(side):
-                for t, host in copies:
-                    t.copy_(host, non_blocking=True)
-                    t.record_stream(side)
-                event = torch.cuda.Event()
-                event.record(side)
+            on_stream(side, _copy_all, copies, side)
+            event = torch.cuda.Event()
+            event.record(side)
             pending.stream.wait_event(event)
 
     # -- operations: (tensor, copy in, copy back) per buffer ---------------------------

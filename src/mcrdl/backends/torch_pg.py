@@ -3,8 +3,9 @@ collectives through torch's host staging) and ``nccl`` (CUDA).
 
 With CUDA tensors the library runs the op on its own streams, ordered after
 the work queued on the caller's stream at submission; when mcrdl sees the op
-complete, that same stream (not whichever is current then) is made to wait for
-the results.
+complete (in whichever thread), that same stream is made to wait for the
+results (``Pending.stream``; ``Work.wait()`` then orders the stream current
+there too, as torch does).
 
 Process groups are constructed directly on mcrdl's own store (no
 ``torch.distributed.init_process_group``), so torch's global default group
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from ..tuning import OP_CLASS
 from ..types import ReduceOp
-from ..work import Pending
+from ..work import Pending, on_stream
 from .base import ANY_SOURCE, Backend
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
@@ -58,13 +59,13 @@ class TorchPending(Pending):
         self._error: Optional[BaseException] = None
 
     def _finish(self, wait, *args) -> None:
-        """``wait`` (the work's wait or synchronize): raises if the op failed,
-        and orders the current stream, made the submitting one, after it."""
+        """``wait(*args)`` (the work's wait): raises if the op failed, and
+        orders the current stream, made the submitting one, after its results
+        (gloo's reduce_scatter even copies its output in wait())."""
         if self.stream is None:
             wait(*args)
         else:
-            with torch.cuda.stream(self.stream):
-                wait(*args)
+            on_stream(self.stream, wait, *args)
 
     def test(self) -> bool:
         if self._waiter is None and self.lies:
@@ -74,8 +75,6 @@ class TorchPending(Pending):
                 return False
             if self._error is not None:
                 raise self._error
-            if self.stream is not None:  # the helper's wait ordered its own thread's stream
-                self._finish(self.work.synchronize)
             return True
         if self.work.is_completed():
             self._finish(self.work.wait)
@@ -118,7 +117,7 @@ class TorchPending(Pending):
 
     def _wait_in_background(self) -> None:
         try:
-            self.work.wait()
+            self._finish(self.work.wait)
         except BaseException as exc:
             self._error = exc
         self._waiter.set()

@@ -447,7 +447,7 @@ def _digest(params: Sequence[torch.Tensor]) -> List[float]:
     s = sq = w = 0.0
     k = 0
     for p in params:
-        d = p.detach().double().reshape(-1)
+        d = p.detach().double().reshape(-1).cpu()  # (the same digest on every device)
         s += float(d.sum())
         sq += float((d * d).sum())
         idx = torch.arange(k, k + d.numel(), dtype=torch.float64)
