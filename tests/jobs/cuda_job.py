@@ -28,5 +28,16 @@ for cpu_backend in [b for b in ("mpi", "gloo") if mcrdl.available_backends()[b] 
     mcrdl.all_reduce(host, backend=cpu_backend)
     expected = world * sum(r + 1 for r in range(world))
     check(bool((host == expected).all()), "nccl then", cpu_backend, host[:4])
+# Stream order, not host waits: NCCL ops queued behind a long kernel return (a
+# blocking one, and an async one's wait()) before the kernel ends, as torch's
+# do; their results are right once the stream gets there.
+y = torch.full((1024,), float(rank + 1), device=dev)
+torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time ahead of the ops
+mcrdl.all_reduce(y, backend="nccl")
+mcrdl.all_reduce(y, backend="nccl", async_op=True).wait()
+queued = torch.cuda.Event()
+queued.record()
+check(not queued.query(), "an NCCL op made the host wait for the GPU")
+check(bool((y == world * sum(r + 1 for r in range(world))).all()), "nccl behind a kernel", y[:4])
 mcrdl.destroy_process_group()
 print(f"rank {rank}: CUDA OK")

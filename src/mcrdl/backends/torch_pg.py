@@ -13,6 +13,7 @@ stays free for the user's code.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from datetime import timedelta
@@ -28,6 +29,15 @@ from .base import ANY_SOURCE, Backend
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
               ReduceOp.MIN: dist.ReduceOp.MIN, ReduceOp.MAX: dist.ReduceOp.MAX}
+
+
+@functools.cache
+def _options(kind: type, **fields):
+    """A c10d options object, made once per kind and fields (c10d copies it per call)."""
+    options = kind()
+    for name, value in fields.items():
+        setattr(options, name, value)
+    return options
 
 
 #: Helper threads blocked in c10d ``wait()``; joined at shutdown so none is
@@ -54,7 +64,7 @@ class TorchPending(Pending):
         self.work = work
         self.lies = lies  # is_completed() stays False until wait() (gloo: reduce_scatter, send, recv)
         #: CUDA: the caller's stream at submission, which must wait for the results
-        self.stream = torch.cuda.current_stream(tensor.device) if tensor is not None and tensor.is_cuda else None
+        self.stream = torch.cuda.current_stream(tensor.get_device()) if tensor is not None and tensor.is_cuda else None
         self._waiter: Optional[threading.Event] = None
         self._error: Optional[BaseException] = None
 
@@ -123,11 +133,34 @@ class TorchPending(Pending):
         self._waiter.set()
 
 
+class OrderedPending(TorchPending):
+    """A c10d ``Work`` of a library that orders its results on the caller's
+    stream itself (NCCL): complete once ``wait()`` queued that order, as
+    torch's own NCCL ops are; the host never waits for the GPU. An op whose
+    peer never comes is failed by the library's watchdog (the group timeout)."""
+
+    __slots__ = ()
+
+    def test(self) -> bool:
+        self._finish(self.work.wait)
+        return True
+
+    def block(self, deadline: float) -> bool:
+        self._finish(self.work.wait)
+        return True
+
+
 class TorchBackend(Backend):
     """A torch.distributed process-group library; subclasses name it."""
 
+    #: the library orders an op's results on the caller's stream by itself (NCCL)
+    stream_ordered = False
+
     def version(self) -> str:
         return f"torch {torch.__version__}"
+
+    def _pending(self, work, lies: bool = False, tensor: Optional[torch.Tensor] = None) -> TorchPending:
+        return OrderedPending(work, tensor=tensor) if self.stream_ordered else TorchPending(work, lies, tensor)
 
     def shutdown(self) -> None:
         join_waiters()
@@ -141,55 +174,49 @@ class TorchBackend(Backend):
 
     # -- operations --------------------------------------------------------------
     def all_reduce(self, pg, tensor, op):
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = _TORCH_OPS[op]
-        return TorchPending(pg.allreduce([tensor], opts), tensor=tensor)
+        opts = _options(dist.AllreduceOptions, reduceOp=_TORCH_OPS[op])
+        return self._pending(pg.allreduce([tensor], opts), tensor=tensor)
 
     def broadcast(self, pg, tensor, root):
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root
-        return TorchPending(pg.broadcast([tensor], opts), tensor=tensor)
+        opts = _options(dist.BroadcastOptions, rootRank=root)
+        return self._pending(pg.broadcast([tensor], opts), tensor=tensor)
 
     def reduce(self, pg, tensor, root, op):
-        opts = dist.ReduceOptions()
-        opts.rootRank, opts.reduceOp = root, _TORCH_OPS[op]
-        return TorchPending(pg.reduce([tensor], opts), tensor=tensor)
+        opts = _options(dist.ReduceOptions, rootRank=root, reduceOp=_TORCH_OPS[op])
+        return self._pending(pg.reduce([tensor], opts), tensor=tensor)
 
     def all_gather_into_tensor(self, pg, output, input):
-        return TorchPending(pg._allgather_base(output, input), tensor=input)
+        return self._pending(pg._allgather_base(output, input), tensor=input)
 
     def reduce_scatter_tensor(self, pg, output, input, op):
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = _TORCH_OPS[op]
-        return TorchPending(pg._reduce_scatter_base(output, input, opts), lies=True, tensor=input)
+        opts = _options(dist.ReduceScatterOptions, reduceOp=_TORCH_OPS[op])
+        return self._pending(pg._reduce_scatter_base(output, input, opts), lies=True, tensor=input)
 
     def gather(self, pg, output, input, root):
-        opts = dist.GatherOptions()
-        opts.rootRank = root
+        opts = _options(dist.GatherOptions, rootRank=root)
         # gloo wants every block shaped like the input (a multi-dim tensor gets flat blocks)
         outputs = [[b.view(input.shape) for b in output.chunk(pg.size())]] if output is not None else []
-        return TorchPending(pg.gather(outputs, [input], opts), tensor=input)
+        return self._pending(pg.gather(outputs, [input], opts), tensor=input)
 
     def scatter(self, pg, output, input, root):
-        opts = dist.ScatterOptions()
-        opts.rootRank = root
+        opts = _options(dist.ScatterOptions, rootRank=root)
         inputs = [[b.view(output.shape) for b in input.chunk(pg.size())]] if input is not None else []
-        return TorchPending(pg.scatter([output], inputs, opts), tensor=output)
+        return self._pending(pg.scatter([output], inputs, opts), tensor=output)
 
     def all_to_all_single(self, pg, output, input, output_counts, input_counts):
-        return TorchPending(pg.alltoall_base(output.view(-1), input.view(-1), list(output_counts or ()),
-                                             list(input_counts or ()), dist.AllToAllOptions()), tensor=input)
+        return self._pending(pg.alltoall_base(output.view(-1), input.view(-1), list(output_counts or ()),
+                                              list(input_counts or ()), dist.AllToAllOptions()), tensor=input)
 
     def barrier(self, pg):
-        return TorchPending(pg.barrier(dist.BarrierOptions()))
+        return self._pending(pg.barrier(dist.BarrierOptions()))
 
     def send(self, pg, tensor, peer, tag):
-        return TorchPending(pg.send([tensor], peer, tag), lies=True, tensor=tensor)
+        return self._pending(pg.send([tensor], peer, tag), lies=True, tensor=tensor)
 
     def recv(self, pg, tensor, peer, tag):
         if peer == ANY_SOURCE:
-            return TorchPending(pg.recv_anysource([tensor], tag), lies=True, tensor=tensor)
-        return TorchPending(pg.recv([tensor], peer, tag), lies=True, tensor=tensor)
+            return self._pending(pg.recv_anysource([tensor], tag), lies=True, tensor=tensor)
+        return self._pending(pg.recv([tensor], peer, tag), lies=True, tensor=tensor)
 
 
 class GlooBackend(TorchBackend):
@@ -223,6 +250,7 @@ class GlooBackend(TorchBackend):
 class NCCLBackend(TorchBackend):
     name = "nccl"
     devices = frozenset({"cuda"})
+    stream_ordered = True
 
     @classmethod
     def unavailable_reason(cls, ctx):
