@@ -299,7 +299,7 @@ class MPIBackend(Backend):
     def stream_event(t: torch.Tensor):
         """An event after the work queued so far on ``t``'s current stream."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(t.device))
+        event.record(torch.cuda.current_stream(t.get_device()))
         return event
 
     def defer(self, pending: DeferredPending, ready: Callable[[], Any]) -> DeferredPending:

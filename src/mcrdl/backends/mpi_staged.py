@@ -96,7 +96,7 @@ class StagedMPIBackend(MPIBackend):
                    for t, i, o in tensors if t is not None]
         hosts = iter(e[1] for e in entries)
         args = [None if t is None else next(hosts) for t, _, _ in tensors]
-        stream = torch.cuda.current_stream(entries[0][0].device) if entries and entries[0][0].is_cuda else None
+        stream = torch.cuda.current_stream(entries[0][0].get_device()) if entries and entries[0][0].is_cuda else None
         pending = StagedPending(self, entries, lambda: start(*args), stream)
         return self.defer(pending, lambda: self.copy_in(pending))
 
