@@ -38,6 +38,7 @@ step 80 "bench, 2 ranks on one GPU, 4 B-1 MiB" $py -m mcrdl.cli bench -n 2 --dev
     --sizes 4,1K,64K,1M --iters 20 --large-iters 5 --warmup 2 --rounds 1 --json "$out/bench_cuda_2ranks_small.json"
 step 100 "bench, 2 ranks on one GPU, 16-64 MiB" $py -m mcrdl.cli bench -n 2 --device cuda --variants $variants \
     --sizes 16M,64M --large-iters 3 --warmup 1 --rounds 1 --json "$out/bench_cuda_2ranks_large.json"
+step 60 "NCCL: mcrdl against the raw process group, 1 rank" $py -m mcrdl.cli run -n 1 $py benchmarks/gpu/nccl_overhead.py
 for n in 1 2; do
     step 45 "staging, part by part: $n rank(s) on one GPU" $py -m mcrdl.cli run -n $n $py benchmarks/gpu/staging_parts.py 4 65536
 done
