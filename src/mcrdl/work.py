@@ -214,6 +214,12 @@ def spin_until(test: Callable[[], bool], deadline: float) -> bool:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [start, end) of memory a tensor may touch."""
+    if t.is_contiguous():
+        nbytes = t.nbytes
+        if not nbytes:
+            return (0, 0)
+        start = t.data_ptr()
+        return (start, start + nbytes)
     if t.numel() == 0:
         return (0, 0)
     start = t.data_ptr()
@@ -228,10 +234,15 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return s1 < e2 and s2 < e1
 
 
-def _ranges(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> list:
-    """(device, start, end, written) for every tensor an op touches."""
-    return ([(t.device, *_span(t), False) for t in reads]
-            + [(t.device, *_span(t), True) for t in writes])
+def _ranges(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> tuple:
+    """``(low, high, ranges)``: (device, start, end, written) for every tensor
+    an op touches (a tensor it writes is not listed again as read), and the
+    lowest start and highest end over them, which rule most ops out at once."""
+    ranges = [(t.device, *_span(t), True) for t in writes]
+    ranges += [(t.device, *_span(t), False) for t in reads if not any(t is w for w in writes)]
+    if not ranges:
+        return (0, 0, ranges)
+    return (min(r[1] for r in ranges), max(r[2] for r in ranges), ranges)
 
 
 def _conflict(new: list, old: list) -> bool:
@@ -269,7 +280,7 @@ class Work:
         self._result = list(result)
         self._future: Optional[torch.futures.Future] = None
         self._settled = False  # the future was given its value
-        self._spans: Optional[list] = None  # _ranges(reads, writes), computed once when needed
+        self._spans: Optional[tuple] = None  # _ranges(reads, writes), computed once when needed
         self._stream = None  # CUDA: the stream its results are ordered on (Pending.stream), once done
 
     def __repr__(self) -> str:
@@ -427,6 +438,9 @@ class Engine:
         self.on_failure: Optional[Callable[[Work], str]] = None
         self._helpers: set[threading.Thread] = set()  # futures' helper threads still running
         self.lost: dict[int, tuple] = {}  # global rank -> (how it died, when): the watchdog's
+        #: (reads, writes, their _ranges) of the last op checked by order_before:
+        #: the Work that op becomes reuses them
+        self._checked: Optional[tuple] = None
 
     def start_helper(self, target: Callable, *args) -> None:
         """Run ``target(*args)`` on a daemon thread that :meth:`shutdown` joins."""
@@ -541,13 +555,16 @@ class Engine:
         """Wait for outstanding works that conflict with a new op's tensors."""
         if not self.outstanding:
             return
-        new = _ranges(reads, writes)
+        spans = _ranges(reads, writes)
+        self._checked = (reads, writes, spans)
+        low, high, new = spans
         for work in list(self.outstanding):
             if work._done:
                 continue
-            if work._spans is None:
-                work._spans = _ranges(work._reads, work._writes)
-            if _conflict(new, work._spans):
+            spans = work._spans
+            if spans is None:
+                spans = work._spans = _ranges(work._reads, work._writes)
+            if low < spans[1] and spans[0] < high and _conflict(new, spans[2]):
                 try:
                     work.wait()
                 except CommError as exc:
@@ -572,6 +589,9 @@ class Engine:
         if self.lost:
             self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] is reads and checked[1] is writes:
+            work._spans = checked[2]
         with self._lock:
             self.outstanding.append(work)
         if async_op:
