@@ -74,11 +74,11 @@ def test_an_in_place_op_is_one_written_range():
     assert (low, high) == (buf.data_ptr(), buf.data_ptr() + 256)
 
 
-def test_a_work_reuses_the_ranges_its_own_check_computed():
+def test_a_work_keeps_the_ranges_its_own_check_computed():
     engine, buf, other = Engine(), torch.zeros(8), torch.zeros(8)
     start(engine, writes=[other])
     reads = writes = (buf,)
-    engine.order_before(reads, writes, "op")
-    checked = engine._checked[2]
-    engine.run("op", "test", Held(), reads, writes, (), None, (), True)
-    assert engine.outstanding[-1]._spans is checked and engine._checked is None
+    checked = engine.order_before(reads, writes, "op")
+    engine.run("op", "test", Held(), reads, writes, (), None, (), True, checked)
+    assert engine.outstanding[-1]._spans is checked
+    assert checked[0] == buf.data_ptr() and len(checked[2]) == 1

@@ -396,6 +396,11 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
                                 None if counts is None else [c * elem for c in counts]), *post]
     if async_op:  # not timed: see mcrdl.autotune
         timing = None
+    # CUDA: NCCL and staged MPI return once their results are stream-ordered,
+    # so a timed call is timed from an idle stream to the results' arrival
+    stream = None if timing is None or device == "cpu" else torch.cuda.current_stream(ref.get_device())
+    if stream is not None:
+        stream.synchronize()
     began = 0.0 if timing is None else time.perf_counter()
     try:
         pending = start(rt.backends[name], g.handles[name])
@@ -403,6 +408,8 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
         raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
     work = engine.run(op, name, pending, reads, writes, post, g, result, async_op)
     if timing is not None:
+        if stream is not None:
+            stream.synchronize()
         tuner.record(timing, name, time.perf_counter() - began)
     if work is not None:
         work.peer = peer
@@ -506,14 +513,13 @@ def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tupl
             _block(rt, g, op, name, start, args, nbytes, reads, writes, peer)
         return None
     engine = rt.engine
-    if engine.outstanding:
-        engine.order_before(reads, writes, op)
+    spans = engine.order_before(reads, writes, op) if engine.outstanding else None
     post = () if rt.logger is None else (rt.logger.begin(op, name, g, nbytes, True, peer, None),)
     try:
         pending = start(*args)
     except Exception as exc:
         raise CommError(f"{op} on backend '{name}' could not start: {exc}") from exc
-    work = engine.run(op, name, pending, reads, writes, post, g, result, True)
+    work = engine.run(op, name, pending, reads, writes, post, g, result, True, spans)
     work.peer = peer
     return work
 

@@ -18,7 +18,9 @@ which is the same on every member because collectives are called in the same
 order everywhere (whether a member calls sync or async does not matter). The
 agreement is itself a collective of the group at a call every member reaches.
 
-Blocking calls are timed, from start to return. Async calls run on their
+Blocking calls are timed, from start to return; on CUDA tensors from an idle
+stream to the results' arrival (the stream is synchronized before and after:
+NCCL and staged MPI return once their results are stream-ordered). Async calls run on their
 slot's backend (so the schedule holds however each member calls) but are not
 timed: the time until an overlapped op is seen complete is not its cost to the
 step. Measured on the DDP workload (docs/autotune.md): timed to when the

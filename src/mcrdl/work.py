@@ -81,11 +81,16 @@ DONE = Done()
 
 class AfterAll(Pending):
     """Completes when every one of ``works`` has; raises the first failure.
-    The works are the engine's own, so polling the engine drives them."""
+    The works are the engine's own, so polling the engine drives them.
+    CUDA: ``stream`` is the one current when they were combined (their
+    submitting stream), made to wait for every work's results, so the
+    combined work's completion steps and waiters are ordered after them."""
 
     def __init__(self, engine: "Engine", works: Sequence["Work"]):
         self.engine = engine
         self.works = works
+        streams = [s for s in (w._stream if w._done else w._pending.stream for w in works) if s is not None]
+        self.stream = torch.cuda.current_stream(streams[0].device_index) if streams else None
 
     def block(self, deadline: float) -> bool:
         return spin_until(lambda: (self.engine.poll(), self.test())[1], deadline)
@@ -96,6 +101,10 @@ class AfterAll(Pending):
         for w in self.works:
             if w._error is not None:
                 raise w._error
+        if self.stream is not None:
+            for w in self.works:
+                if w._stream is not None and w._stream != self.stream:
+                    self.stream.wait_stream(w._stream)
         return True
 
 
@@ -145,6 +154,9 @@ HELPER_JOIN_S = 10.0
 WATCH_S = 0.1
 #: How long work outstanding when a peer died may still complete before it fails.
 DEATH_GRACE_S = 0.3
+#: Tests of one MPI request per turn of a wait for it, under the engine lock,
+#: with the spin policy (with yield, a turn is one test: the peer may need the core).
+TEST_BURST = 16
 
 
 #: MCRDL_WAIT's choices: how a wait uses the CPU while the library works.
@@ -152,6 +164,7 @@ WAIT_POLICIES = ("auto", "spin", "yield")
 #: How long a wait under the spin policy polls before it yields (a long wait).
 SPIN_S = 1e-3
 _busy_s = 0.0  # set by set_wait_policy: 0 polls FIRST_POLLS times, then yields
+_burst = 1  # set by set_wait_policy: tests per turn of a wait for one MPI request
 
 
 def wait_policy_from_env() -> str:
@@ -168,11 +181,12 @@ def set_wait_policy(policy: str, local_ranks: int, local_cpus: Optional[int] = N
     after the first polls: ranks sharing cores let the peer run); ``auto``:
     spin when this host's ``local_ranks`` fit in ``local_cpus``, the CPUs its
     ranks may run on together (default: this process's). Returns the policy in force."""
-    global _busy_s
+    global _busy_s, _burst
     if policy == "auto":
         cpus = local_cpus if local_cpus is not None else len(os.sched_getaffinity(0))
         policy = "spin" if local_ranks <= cpus else "yield"
     _busy_s = SPIN_S if policy == "spin" else 0.0
+    _burst = TEST_BURST if policy == "spin" else 1
     return policy
 
 
@@ -438,9 +452,6 @@ class Engine:
         self.on_failure: Optional[Callable[[Work], str]] = None
         self._helpers: set[threading.Thread] = set()  # futures' helper threads still running
         self.lost: dict[int, tuple] = {}  # global rank -> (how it died, when): the watchdog's
-        #: (reads, writes, their _ranges) of the last op checked by order_before:
-        #: the Work that op becomes reuses them
-        self._checked: Optional[tuple] = None
 
     def start_helper(self, target: Callable, *args) -> None:
         """Run ``target(*args)`` on a daemon thread that :meth:`shutdown` joins."""
@@ -551,13 +562,14 @@ class Engine:
 
     # -- submission -------------------------------------------------------------
     def order_before(self, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor],
-                     op: str) -> None:
-        """Wait for outstanding works that conflict with a new op's tensors."""
+                     op: str) -> Optional[tuple]:
+        """Wait for outstanding works that conflict with a new op's tensors.
+        Returns the op's :func:`_ranges` (None when nothing was outstanding),
+        which :meth:`run` can keep for the op's Work."""
         if not self.outstanding:
-            return
-        spans = _ranges(reads, writes)
-        self._checked = (reads, writes, spans)
-        low, high, new = spans
+            return None
+        checked = _ranges(reads, writes)
+        low, high, new = checked
         for work in list(self.outstanding):
             if work._done:
                 continue
@@ -570,6 +582,7 @@ class Engine:
                 except CommError as exc:
                     raise CommError(f"{op} cannot start: an earlier {work.op} on "
                                     f"'{work.backend}' touching the same tensor failed: {exc}") from exc
+        return checked
 
     def drain(self) -> None:
         """Wait for every outstanding work (a barrier orders after them)."""
@@ -577,21 +590,20 @@ class Engine:
             work.wait()
 
     def run(self, op: str, backend: str, pending: Pending, reads, writes, post, group,
-            result, async_op: bool) -> Optional[Work]:
+            result, async_op: bool, spans: Optional[tuple] = None) -> Optional[Work]:
         """Track a started operation: return its Work (``async_op``) or wait for it.
 
         A blocking op that may block in its own library (nothing outstanding
         that needs another library's progress) is waited for without creating
-        a Work or taking a lock: nobody else can see its request."""
+        a Work or taking a lock: nobody else can see its request. ``spans``:
+        the op's ranges, if :meth:`order_before` just computed them."""
         if not async_op and (not self.outstanding or self._blocking_is_safe(pending)):
             self.block(op, backend, pending, group, reads, writes, post, result)
             return None
         if self.lost:
             self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
-        checked, self._checked = self._checked, None
-        if checked is not None and checked[0] is reads and checked[1] is writes:
-            work._spans = checked[2]
+        work._spans = spans
         with self._lock:
             self.outstanding.append(work)
         if async_op:
@@ -690,18 +702,23 @@ class Engine:
         return True
 
     def _test_one(self, work: Work) -> bool:
+        """Test ``work`` under the lock, up to :data:`TEST_BURST` times with
+        the spin policy (a turn of Python per test costs more than MPI's
+        progress in it: async all_reduce 16 KiB, 1.51x -> 1.34x raw)."""
         with self._lock:
             if work._done:
                 return True
-            if work._pending.test():
-                if work in self.outstanding:
-                    self.outstanding.remove(work)
-                work._finish()
-                done = True
+            test = work._pending.test
+            for _ in range(_burst):
+                if test():
+                    break
             else:
                 return False
+            if work in self.outstanding:
+                self.outstanding.remove(work)
+            work._finish()
         work._settle_future()
-        return done
+        return True
 
     def wait(self, work: Work, deadline: float, abandon: bool = True) -> bool:
         """Wait for ``work`` until ``deadline`` (monotonic s), progressing every

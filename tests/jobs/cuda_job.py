@@ -32,7 +32,7 @@ for cpu_backend in [b for b in ("mpi", "gloo") if mcrdl.available_backends()[b] 
 # blocking one, and an async one's wait()) before the kernel ends, as torch's
 # do; their results are right once the stream gets there.
 y = torch.full((1024,), float(rank + 1), device=dev)
-torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time ahead of the ops
+torch.cuda._sleep(1_000_000_000)  # about 0.5 s of GPU time ahead of the ops
 mcrdl.all_reduce(y, backend="nccl")
 mcrdl.all_reduce(y, backend="nccl", async_op=True).wait()
 queued = torch.cuda.Event()

@@ -135,13 +135,18 @@ class TorchPending(Pending):
 
 class OrderedPending(TorchPending):
     """A c10d ``Work`` of a library that orders its results on the caller's
-    stream itself (NCCL): complete once ``wait()`` queued that order, as
-    torch's own NCCL ops are; the host never waits for the GPU. An op whose
-    peer never comes is failed by the library's watchdog (the group timeout)."""
+    stream itself (NCCL). Waited for (a blocking op, ``Work.wait()``), it is
+    complete once ``wait()`` queued that order, as torch's own NCCL ops are:
+    the host does not wait for the GPU. Polled (``is_completed()``, a wait
+    that must keep another library progressing), it is complete once the GPU
+    ran it, as torch's ``is_completed()`` says. An op whose peer never comes
+    is failed by NCCL's watchdog after the group timeout."""
 
     __slots__ = ()
 
     def test(self) -> bool:
+        if not self.work.is_completed():
+            return False
         self._finish(self.work.wait)
         return True
 
@@ -207,8 +212,8 @@ class TorchBackend(Backend):
         return self._pending(pg.alltoall_base(output.view(-1), input.view(-1), list(output_counts or ()),
                                               list(input_counts or ()), dist.AllToAllOptions()), tensor=input)
 
-    def barrier(self, pg):
-        return self._pending(pg.barrier(dist.BarrierOptions()))
+    def barrier(self, pg):  # NCCL's barrier waits on the host in wait(): a deadline applies
+        return TorchPending(pg.barrier(dist.BarrierOptions()))
 
     def send(self, pg, tensor, peer, tag):
         return self._pending(pg.send([tensor], peer, tag), lies=True, tensor=tensor)
