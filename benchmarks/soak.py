@@ -15,7 +15,6 @@ running meanwhile (a loaded machine). Writes OUT.json and OUT.md.
 """
 import argparse
 import itertools
-import json
 import multiprocessing
 import os
 import re
