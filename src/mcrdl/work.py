@@ -89,8 +89,13 @@ class AfterAll(Pending):
     def __init__(self, engine: "Engine", works: Sequence["Work"]):
         self.engine = engine
         self.works = works
-        streams = [s for s in (w._stream if w._done else w._pending.stream for w in works) if s is not None]
-        self.stream = torch.cuda.current_stream(streams[0].device_index) if streams else None
+        self.stream = None
+        for w in works:  # another thread may finish w meanwhile: its pending is read once
+            pending = w._pending
+            stream = w._stream if pending is None else pending.stream
+            if stream is not None:
+                self.stream = torch.cuda.current_stream(stream.device_index)
+                break
 
     def block(self, deadline: float) -> bool:
         return spin_until(lambda: (self.engine.poll(), self.test())[1], deadline)
