@@ -1,11 +1,12 @@
-"""What the recorded benchmarks write beside their figures: the environment
-and the JSON file itself."""
+"""What the recorded benchmarks share: interleaved timing rounds, and what
+they write beside their figures (the environment and the JSON file itself)."""
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
 import platform
+import time
 
 import torch
 
@@ -27,3 +28,21 @@ def write_json(path: str, doc: dict, console) -> None:
         json.dump(doc, f, indent=2)
         f.write("\n")
     console.print(f"wrote {path}", highlight=False)
+
+
+def interleaved(order: list, rounds: int, calls: int, warmup: int, comm, per_call: float = 1) -> dict:
+    """``{name: [µs per round]}`` for the ``(name, fn)`` variants of ``order``:
+    each round runs them in turn, in reverse order every other round; each
+    runs ``warmup`` calls, a barrier, then ``calls`` timed calls. A round's
+    figure is elapsed / (calls * per_call), the slowest rank's."""
+    times = {name: [] for name, _ in order}
+    for r in range(rounds):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            for _ in range(warmup):
+                fn()
+            comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append(max(comm.allgather((time.perf_counter() - start) / (calls * per_call))) * 1e6)
+    return times

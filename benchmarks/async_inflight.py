@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 from mpi4py import MPI
@@ -25,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 import mcrdl
-from _record import environment, write_json
+from _record import environment, interleaved, write_json
 from hotpath import label, parse_size
 
 
@@ -61,18 +60,8 @@ def main() -> int:
             if not all(torch.equal(a, b) for a, b in zip(ours, theirs)):
                 raise SystemExit(f"rank {rank}: {label(nbytes)} x {batch}: mcrdl and mpi4py differ")
             repeats = max(2, (4000 if nbytes <= 4096 else 400) // batch)
-            times = {"mcrdl": [], "raw": []}
-            for r in range(args.rounds):
-                order = [("mcrdl", mcrdl_batch), ("raw", raw_batch)]
-                for name, fn in order if r % 2 == 0 else order[::-1]:
-                    for _ in range(max(2, repeats // 20)):
-                        fn()
-                    comm.Barrier()
-                    start = time.perf_counter()
-                    for _ in range(repeats):
-                        fn()
-                    elapsed = (time.perf_counter() - start) / (repeats * batch)
-                    times[name].append(comm.allreduce(elapsed, op=MPI.MAX) * 1e6)
+            times = interleaved([("mcrdl", mcrdl_batch), ("raw", raw_batch)], args.rounds, repeats,
+                                max(2, repeats // 20), comm, per_call=batch)
             ratios = [m / r for m, r in zip(times["mcrdl"], times["raw"])]
             row = {"bytes": nbytes, "batch": batch, "mcrdl_us": statistics.median(times["mcrdl"]),
                    "raw_us": statistics.median(times["raw"]), "ratio": statistics.median(ratios),

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -33,7 +32,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import mcrdl
-from _record import environment, write_json
+from _record import environment, interleaved, write_json
 from hotpath import label, parse_size
 
 OPS = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
@@ -194,25 +193,16 @@ def main() -> int:
                         if not torch.equal(a, b):
                             raise SystemExit(f"rank {rank}: {layer} {op} {label(nbytes)}: outputs differ")
                     iters = args.iters or iterations(nbytes)
-                    times = {"layer": [], "ref": [], "alone": []}
-                    for r in range(args.rounds):
-                        order = [("layer", call), ("ref", ref)]
-                        if layer == "torch":
-                            order.append(("alone", torch_alone(op, max(1, nbytes // 4), null, rank, world)))
-                        for name, fn in order if r % 2 == 0 else order[::-1]:
-                            for _ in range(max(10, iters // 20)):
-                                fn()
-                            comm.Barrier()
-                            start = time.perf_counter()
-                            for _ in range(iters):
-                                fn()
-                            elapsed = (time.perf_counter() - start) / iters / (2 if op == "send/recv" else 1)
-                            times[name].append(comm.allreduce(elapsed, op=MPI.MAX) * 1e6)
+                    order = [("layer", call), ("ref", ref)]
+                    if layer == "torch":
+                        order.append(("alone", torch_alone(op, max(1, nbytes // 4), null, rank, world)))
+                    times = interleaved(order, args.rounds, iters, max(10, iters // 20), comm,
+                                        per_call=2 if op == "send/recv" else 1)
                     ratios = [a / b for a, b in zip(times["layer"], times["ref"])]
                     row = {"layer": layer, "op": op, "bytes": nbytes, "iters": iters,
                            "layer_us": statistics.median(times["layer"]), "ref_us": statistics.median(times["ref"]),
                            "ratio": statistics.median(ratios), "ratios": ratios}
-                    if times["alone"]:
+                    if "alone" in times:
                         row["torch_alone_us"] = statistics.median(times["alone"])
                     results.append(row)
                     progress.advance(task)

@@ -235,9 +235,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [start, end) of memory a tensor may touch."""
     if t.is_contiguous():
         nbytes = t.nbytes
-        if not nbytes:
-            return (0, 0)
-        start = t.data_ptr()
+        start = t.data_ptr() if nbytes else 0
         return (start, start + nbytes)
     if t.numel() == 0:
         return (0, 0)
