@@ -114,6 +114,35 @@ def test_span(compiled):
                 module.span(listed, 3, "float32", 16)
 
 
+@pytest.mark.parametrize("name", [n for n in TENSORS if n not in CPU_ONLY])
+def test_ranges(compiled, name):
+    """Each tensor alone, read, written, and beside another it is or is not."""
+    t, other = TENSORS[name], torch.zeros(3)
+    for reads, writes in (((t,), ()), ((), [t]), ((t, other), (t,)), ([other], (t, other))):
+        got = compiled.ranges(reads, writes)
+        if name in ("sparse", "dispatching subclass"):
+            assert got is None, name  # facts.ranges reads these
+            continue
+        expected = facts.ranges(reads, writes)
+        assert got == expected, (name, reads, writes)
+        assert len(got[2]) == len({id(x) for x in (*reads, *writes)})
+    start, end = facts.extent(t) if name not in ("sparse", "dispatching subclass") else (0, 0)
+    if name in ("float32", "slice", "row", "0-d", "bfloat16", "int64 2-d"):
+        assert (start, end) == (t.data_ptr(), t.data_ptr() + t.nbytes), name
+    elif name in ("strided", "column"):  # from the first element to just past the last
+        assert (start, end) == (t.data_ptr(), t[-1].data_ptr() + t.element_size()), name
+    elif name in ("empty", "empty 2-d"):
+        assert (start, end) == (0, 0), name
+
+
+def test_ranges_of_no_tensors_and_of_other_sequences(compiled):
+    assert compiled.ranges((), []) == facts.ranges((), []) == (0, 0, [])
+    t = torch.zeros(2)
+    assert compiled.ranges((x for x in [t]), ()) is None  # not a list or tuple: facts.ranges reads it
+    with pytest.raises(TypeError):
+        compiled.ranges((t,))
+
+
 STATUS = "from mcrdl import facts; print(facts.status())"
 
 

@@ -492,9 +492,9 @@ def _planned(rt: Runtime, g: Group, op: str, nbytes: int, dtype: torch.dtype, re
 
 
 def _starter(rt: Runtime, g: Group, name: str, op: str, tensors: tuple, fixed: tuple, async_op: bool):
-    """A plan's start function: the backend's blocking fast path, or its nonblocking op."""
-    be, h = rt.backends[name], g.handles[name]
-    return be.nonblocking(op, h, *fixed) if async_op else be.starter(op, h, g.timeout, tensors, *fixed)
+    """A plan's start function: the backend's blocking fast path, or (async: a
+    wait of 0 s) one that only starts the op."""
+    return rt.backends[name].starter(op, g.handles[name], 0.0 if async_op else g.timeout, tensors, *fixed)
 
 
 def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tuple, nbytes: int,

@@ -5,9 +5,13 @@
 // contiguous, not nested, has storage and no Python dispatch (a wrapper
 // subclass takes the general path). torch's errors raise as they do in Python.
 #include <Python.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <cstdlib>
 
 namespace {
 
@@ -125,10 +129,85 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
     END_HANDLE_TH_ERRORS
 }
 
+// The bytes [start, end) a strided tensor with storage and no Python dispatch
+// may touch, in `out`; false for any other object.
+bool extent(PyObject *o, uintptr_t out[2], c10::Device *device)
+{
+    if (!THPVariable_Check(o))
+        return false;
+    const at::Tensor &t = THPVariable_Unpack(o);
+    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.key_set().has(c10::DispatchKey::Python))
+        return false;
+    *device = t.device();
+    out[0] = out[1] = 0;
+    if (t.is_contiguous()) {
+        size_t nbytes = t.nbytes();
+        if (nbytes) {
+            out[0] = reinterpret_cast<uintptr_t>(t.data_ptr());
+            out[1] = out[0] + nbytes;
+        }
+    } else if (t.numel()) {
+        int64_t reach = 1;
+        for (int64_t d = 0; d < t.dim(); d++)
+            reach += (t.size(d) - 1) * std::abs(t.stride(d));
+        out[0] = reinterpret_cast<uintptr_t>(t.data_ptr());
+        out[1] = out[0] + static_cast<uintptr_t>(reach) * t.element_size();
+    }
+    return true;
+}
+
+// ranges(reads, writes): (low, high, [(device, start, end, written), ...]) for
+// every tensor of the two lists or tuples (a read that is also written is
+// listed once, as written), low and high over them; None when an item is not
+// a strided tensor with storage and no Python dispatch (facts.ranges then).
+PyObject *ranges(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    HANDLE_TH_ERRORS
+    if (!nargs("ranges", n, 2))
+        return nullptr;
+    PyObject *reads = args[0], *writes = args[1];
+    for (PyObject *seq : {reads, writes})
+        if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
+            Py_RETURN_NONE;
+    Py_ssize_t n_writes = PySequence_Fast_GET_SIZE(writes), n_reads = PySequence_Fast_GET_SIZE(reads);
+    PyObject **written = PySequence_Fast_ITEMS(writes), **read = PySequence_Fast_ITEMS(reads);
+    PyObject *list = PyList_New(0);
+    if (list == nullptr)
+        return nullptr;
+    uintptr_t low = UINTPTR_MAX, high = 0;
+    for (Py_ssize_t i = 0; i < n_writes + n_reads; i++) {
+        bool is_write = i < n_writes;
+        PyObject *o = is_write ? written[i] : read[i - n_writes];
+        if (!is_write && std::find(written, written + n_writes, o) != written + n_writes)
+            continue;
+        uintptr_t span[2];
+        c10::Device device(c10::kCPU);
+        if (!extent(o, span, &device)) {
+            Py_DECREF(list);
+            Py_RETURN_NONE;
+        }
+        PyObject *item = Py_BuildValue("(NKKO)", THPDevice_New(device), static_cast<unsigned long long>(span[0]),
+                                       static_cast<unsigned long long>(span[1]), is_write ? Py_True : Py_False);
+        if (item == nullptr || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return nullptr;
+        }
+        Py_DECREF(item);
+        low = std::min(low, span[0]);
+        high = std::max(high, span[1]);
+    }
+    if (PyList_GET_SIZE(list) == 0)
+        low = 0;
+    return Py_BuildValue("(KKN)", static_cast<unsigned long long>(low), static_cast<unsigned long long>(high), list);
+    END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"key", key, METH_O, nullptr},
     {"pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pair)), METH_FASTCALL, nullptr},
     {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL, nullptr},
+    {"ranges", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ranges)), METH_FASTCALL, nullptr},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,5 +1,7 @@
 """The facts the fast paths key their plans on (api.py, "fast paths"), read
-from the tensors in one call: :func:`key`, :func:`pair`, :func:`span`.
+from the tensors in one call: :func:`key`, :func:`pair`, :func:`span`; and
+the memory an async op touches, checked against every op in flight
+(work.py, program order): :func:`ranges`.
 
 These are the pure-Python versions. :func:`load` returns the same functions
 compiled from facts.cpp against the installed torch (one call, no attribute
@@ -72,6 +74,32 @@ def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int) -> Optional[i
         elif at != base + i * nbytes:
             return None
     return base
+
+
+def extent(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, end) of memory a tensor may touch."""
+    if t.is_contiguous():
+        nbytes = t.nbytes
+        start = t.data_ptr() if nbytes else 0
+        return (start, start + nbytes)
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    reach = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    return (start, start + reach * t.element_size())
+
+
+def ranges(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> tuple:
+    """``(low, high, ranges)``: (device, start, end, written) for every tensor
+    an op touches (a tensor it writes is not listed again as read), and the
+    lowest start and highest end over them, which rule most ops out at once.
+    (The compiled one returns None for what is not a strided tensor with
+    storage and no Python dispatch: this one runs then.)"""
+    spans = [(t.device, *extent(t), True) for t in writes]
+    spans += [(t.device, *extent(t), False) for t in reads if not any(t is w for w in writes)]
+    if not spans:
+        return (0, 0, spans)
+    return (min(r[1] for r in spans), max(r[2] for r in spans), spans)
 
 
 def load() -> ModuleType:

@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
+from . import facts
 from .types import CommError, CommTimeoutError, PeerDiedError
 
 
@@ -231,35 +232,11 @@ def spin_until(test: Callable[[], bool], deadline: float) -> bool:
     return True
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range [start, end) of memory a tensor may touch."""
-    if t.is_contiguous():
-        nbytes = t.nbytes
-        start = t.data_ptr() if nbytes else 0
-        return (start, start + nbytes)
-    if t.numel() == 0:
-        return (0, 0)
-    start = t.data_ptr()
-    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-    return (start, start + extent * t.element_size())
-
-
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device:
         return False
-    (s1, e1), (s2, e2) = _span(a), _span(b)
+    (s1, e1), (s2, e2) = facts.extent(a), facts.extent(b)
     return s1 < e2 and s2 < e1
-
-
-def _ranges(reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> tuple:
-    """``(low, high, ranges)``: (device, start, end, written) for every tensor
-    an op touches (a tensor it writes is not listed again as read), and the
-    lowest start and highest end over them, which rule most ops out at once."""
-    ranges = [(t.device, *_span(t), True) for t in writes]
-    ranges += [(t.device, *_span(t), False) for t in reads if not any(t is w for w in writes)]
-    if not ranges:
-        return (0, 0, ranges)
-    return (min(r[1] for r in ranges), max(r[2] for r in ranges), ranges)
 
 
 def _conflict(new: list, old: list) -> bool:
@@ -297,7 +274,7 @@ class Work:
         self._result = list(result)
         self._future: Optional[torch.futures.Future] = None
         self._settled = False  # the future was given its value
-        self._spans: Optional[tuple] = None  # _ranges(reads, writes), computed once when needed
+        self._spans: Optional[tuple] = None  # facts.ranges(reads, writes), computed once when needed
         self._stream = None  # CUDA: the stream its results are ordered on (Pending.stream), once done
 
     def __repr__(self) -> str:
@@ -455,6 +432,7 @@ class Engine:
         self.on_failure: Optional[Callable[[Work], str]] = None
         self._helpers: set[threading.Thread] = set()  # futures' helper threads still running
         self.lost: dict[int, tuple] = {}  # global rank -> (how it died, when): the watchdog's
+        self._ranges = facts.load().ranges  # compiled: None for what only facts.ranges reads
 
     def start_helper(self, target: Callable, *args) -> None:
         """Run ``target(*args)`` on a daemon thread that :meth:`shutdown` joins."""
@@ -567,18 +545,19 @@ class Engine:
     def order_before(self, reads: Iterable[torch.Tensor], writes: Iterable[torch.Tensor],
                      op: str) -> Optional[tuple]:
         """Wait for outstanding works that conflict with a new op's tensors.
-        Returns the op's :func:`_ranges` (None when nothing was outstanding),
-        which :meth:`run` can keep for the op's Work."""
+        Returns the op's :func:`facts.ranges` (None when nothing was
+        outstanding), which :meth:`run` can keep for the op's Work."""
         if not self.outstanding:
             return None
-        checked = _ranges(reads, writes)
+        ranges = self._ranges
+        checked = ranges(reads, writes) or facts.ranges(reads, writes)
         low, high, new = checked
         for work in list(self.outstanding):
             if work._done:
                 continue
             spans = work._spans
             if spans is None:
-                spans = work._spans = _ranges(work._reads, work._writes)
+                spans = work._spans = ranges(work._reads, work._writes) or facts.ranges(work._reads, work._writes)
             if low < spans[1] and spans[0] < high and _conflict(new, spans[2]):
                 try:
                     work.wait()
@@ -720,7 +699,8 @@ class Engine:
             if work in self.outstanding:
                 self.outstanding.remove(work)
             work._finish()
-        work._settle_future()
+        if work._future is not None:  # (set under the lock before _done, or it settles itself)
+            work._settle_future()
         return True
 
     def wait(self, work: Work, deadline: float, abandon: bool = True) -> bool:
@@ -760,7 +740,8 @@ class Engine:
             if work in self.outstanding:
                 self.outstanding.remove(work)
             work._finish(error)
-        work._settle_future()
+        if work._future is not None:
+            work._settle_future()
 
     def _abandon(self, work: Work) -> None:
         """Fail a work that missed its group deadline."""

@@ -5,7 +5,9 @@
  *
  * Every op returns None once complete, or, when `timeout` seconds pass first,
  * the still-pending mpi4py Request (the caller abandons it; MPI may still
- * write the buffers, which the caller keeps alive). MPI errors raise the
+ * write the buffers, which the caller keeps alive). A `timeout` of 0 or less
+ * starts the op and tests it once: the async fast paths, whose requests the
+ * engine tracks. MPI errors raise the
  * class given to set_error (mcrdl's CommError) naming the MPI call and MPI's
  * message; counts outside C int raise OverflowError. */
 #define PY_SSIZE_T_CLEAN
@@ -84,9 +86,15 @@ static PyObject *finish(int rc, MPI_Request req, double timeout, const char *cal
 {
     if (rc != MPI_SUCCESS)
         return mpi_error(rc, call);
-    Py_BEGIN_ALLOW_THREADS
-    rc = wait_request(&req, timeout);
-    Py_END_ALLOW_THREADS
+    if (timeout <= 0.0) { /* start only: one test, no wait */
+        int flag = 0;
+        rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
+        rc = rc != MPI_SUCCESS ? -rc : flag;
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        rc = wait_request(&req, timeout);
+        Py_END_ALLOW_THREADS
+    }
     if (rc < 0)
         return mpi_error(-rc, call);
     if (rc == 0) {
