@@ -12,6 +12,7 @@ of every backend in one list, and enforces two rules:
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -153,8 +154,10 @@ DEFAULT_TIMEOUT = 1800.0
 #: which may still deliver into them.
 _LEAKED: list = []
 
-#: How long destroying the process group waits for futures' helper threads.
+#: How long destroying the process group waits for the futures thread's callbacks.
 HELPER_JOIN_S = 10.0
+#: How long the futures thread waits for another work before it ends.
+FUTURES_LINGER_S = 1.0
 #: Longest a wait blocks inside one library before it looks whether the
 #: watchdog found a member of the op's group dead.
 WATCH_S = 0.1
@@ -330,9 +333,12 @@ class Work:
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` completed with :meth:`result` when done.
 
-        A helper thread polls every backend until the work completes, so the
-        future completes even when nobody else drives progress (as DDP
-        communication hooks require). It never blocks inside one library."""
+        The engine's futures thread polls every backend until the work
+        completes, so the future completes even when nobody else drives
+        progress (as DDP communication hooks require); it never blocks inside
+        one library. Callbacks (``then``) run on that thread, as torch's run on
+        its backends' threads: one that blocks on another mcrdl future waits
+        for itself."""
         with self._engine._lock:
             if self._future is not None:
                 return self._future
@@ -340,34 +346,9 @@ class Work:
             done = self._done
         if done:
             self._settle_future()
-            return fut
-        pending = self._pending
-        native = pending.native_future() if pending is not None else None
-        woken = None
-        if native is not None:  # the library signals completion: sleep until then
-            woken = threading.Event()
-            native.then(lambda _: woken.set())
-        self._engine.start_helper(self._wait_for_future, woken)
+        else:
+            self._engine.watch(self)
         return fut
-
-    def _wait_for_future(self, woken: Optional[threading.Event]) -> None:
-        """Complete the work off the caller's thread, never blocking inside a
-        library: poll every backend while any needs the caller's progress
-        (MPI); otherwise sleep until the library's own future fires."""
-        engine = self._engine
-
-        def step() -> bool:
-            if woken is not None and not woken.is_set() and not engine.needs_progress():
-                woken.wait(0.001)
-            else:
-                engine.poll()
-            return self._done
-        try:
-            if not spin_until(step, self._deadline):
-                engine._abandon(self)
-        except BaseException:  # the error reaches the future below
-            pass
-        self._settle_future()
 
     def _settle_future(self) -> None:
         """Complete the future (never under the engine lock: callbacks may issue ops)."""
@@ -430,22 +411,72 @@ class Engine:
         #: before the error reaches the user; returns a sentence on the state
         #: of the work's peers, added to the error.
         self.on_failure: Optional[Callable[[Work], str]] = None
-        self._helpers: set[threading.Thread] = set()  # futures' helper threads still running
+        #: Works whose futures the futures thread completes, each with whether its
+        #: library signals completion itself (then the thread sleeps until it does).
+        self._watched: list[tuple[Work, bool]] = []
+        self._watcher: Optional[threading.Thread] = None  # the futures thread, while it runs
+        self._arrived = threading.Condition(self._lock)  # a work to watch, or shutdown
+        self._signalled = threading.Event()  # a library's own future fired
+        self._fresh = False  # a work arrived since the futures thread's spin began
+        self._closing = False
         self.lost: dict[int, tuple] = {}  # global rank -> (how it died, when): the watchdog's
         self._ranges = facts.load().ranges  # compiled: None for what only facts.ranges reads
+        self._domains: frozenset = frozenset()  # progress domains of every work ever tracked
 
-    def start_helper(self, target: Callable, *args) -> None:
-        """Run ``target(*args)`` on a daemon thread that :meth:`shutdown` joins."""
-        def run() -> None:
-            try:
-                target(*args)
-            finally:
-                with self._lock:
-                    self._helpers.discard(thread)
-        thread = threading.Thread(target=run, daemon=True, name="mcrdl-future")
+    # -- futures ---------------------------------------------------------------
+    def watch(self, work: Work) -> None:
+        """Have the futures thread complete ``work`` and settle its future;
+        the thread starts if none runs (one per engine: a thread costs ~170 µs
+        to start here, more than most ops)."""
+        pending = work._pending
+        native = pending.native_future() if pending is not None else None
+        if native is not None:  # the library signals completion: the thread may sleep until then
+            native.then(lambda _: self._signalled.set())
         with self._lock:
-            self._helpers.add(thread)
-        thread.start()
+            self._watched.append((work, native is not None))
+            self._fresh = True
+            thread = None
+            if self._watcher is None:
+                thread = self._watcher = threading.Thread(target=self._watch, daemon=True, name="mcrdl-futures")
+            else:
+                self._arrived.notify()
+        if thread is not None:
+            thread.start()
+
+    def _watch(self) -> None:
+        """The futures thread: turns of :meth:`_watch_turn` on the wait
+        policy's schedule (anew for each work that arrives) while works are
+        watched, then :data:`FUTURES_LINGER_S` for more before it ends."""
+        while True:
+            with self._lock:
+                if not self._watched and not self._closing:
+                    self._arrived.wait(FUTURES_LINGER_S)
+                if not self._watched:
+                    self._watcher = None
+                    return
+                self._fresh = False
+            spin_until(self._watch_turn, math.inf)
+
+    def _watch_turn(self) -> bool:
+        """Drive progress once (after sleeping until a library's own future
+        fires, up to 1 ms, when every watched work has one and none needs the
+        caller's progress), fail watched works past their deadline, settle the
+        futures of those done. True: nothing left, or a new work arrived."""
+        with self._lock:
+            watched = self._watched
+        if all(native for w, native in watched if not w._done) and not self.needs_progress():
+            self._signalled.wait(0.001)
+            self._signalled.clear()
+        self.poll()
+        now = time.monotonic()
+        for work, _ in watched:
+            if not work._done and now > work._deadline:
+                self._abandon(work)
+            if work._done:
+                work._settle_future()
+        with self._lock:
+            self._watched = [e for e in self._watched if not e[0]._settled]
+            return not self._watched or self._fresh
 
     def explain(self, work: Work) -> BaseException:
         """``work``'s error, with (once) what ``on_failure`` says of its peers."""
@@ -476,20 +507,21 @@ class Engine:
         self._abandoned = []
         for work in works:
             work._settle_future()
-        self._join_helpers()
+        self._join_watcher()
 
-    def _join_helpers(self) -> None:
-        """Wait for futures' helper threads (and the callbacks they run). One
+    def _join_watcher(self) -> None:
+        """Stop the futures thread, waiting for the callbacks it runs. One
         still inside ``Future.set_result`` when the interpreter finalizes
         cannot take the GIL back and aborts the process."""
-        deadline = time.monotonic() + HELPER_JOIN_S
         with self._lock:
-            helpers = [t for t in self._helpers if t is not threading.current_thread()]
-        for thread in helpers:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        stuck = sum(t.is_alive() for t in helpers)
-        if stuck:
-            warnings.warn(f"mcrdl: {stuck} future callback(s) still running {HELPER_JOIN_S:.0f} s after "
+            self._closing = True
+            self._arrived.notify()
+            thread = self._watcher
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(HELPER_JOIN_S)
+        if thread.is_alive():
+            warnings.warn(f"mcrdl: future callbacks still running {HELPER_JOIN_S:.0f} s after "
                           "the process group was destroyed; the process may abort at exit",
                           RuntimeWarning, stacklevel=2)
 
@@ -586,6 +618,9 @@ class Engine:
             self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
         work._spans = spans
+        domain = pending.progress_domain
+        if domain is not None and domain not in self._domains:
+            self._domains = self._domains | {domain}  # replaced, never mutated
         with self._lock:
             self.outstanding.append(work)
         if async_op:
@@ -677,6 +712,8 @@ class Engine:
     def _blocking_is_safe(self, pending: Pending) -> bool:
         """May we block inside ``pending``'s library without starving another?"""
         mine = pending.progress_domain
+        if not self._domains or self._domains == {mine}:  # no other domain was ever outstanding
+            return True
         for work in self.outstanding:
             p = work._pending
             if p is not None and p.progress_domain is not None and p.progress_domain != mine:
@@ -720,8 +757,8 @@ class Engine:
                     done = self._block_watched(pending, deadline, work.op, work.backend, work.group)
                     if done:
                         self._retire(work)
-                else:
-                    done = spin_until(lambda: self._test_one(work), deadline)
+                else:  # (one test first: in a batch, most are done by their turn)
+                    done = self._test_one(work) or spin_until(lambda: self._test_one(work), deadline)
             else:
                 pending.prepare_poll()
                 done = spin_until(lambda: (self.poll(), work._done)[1], deadline)
