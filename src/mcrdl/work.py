@@ -399,7 +399,7 @@ def _seconds(timeout) -> float:
 class Engine:
     """Tracks outstanding work of all backends and drives their progress.
 
-    Requests are tested under one lock, so a future's helper thread and the
+    Requests are tested under one lock, so the futures thread and the
     caller never test the same MPI request at once; futures are completed
     outside it, since their callbacks may issue new operations."""
 

@@ -67,7 +67,7 @@ def library_name(MPI) -> str:
 
 
 def import_mpi():
-    """Import mpi4py with full thread support (the future helper thread polls too)."""
+    """Import mpi4py with full thread support (the futures thread polls too)."""
     import mpi4py
 
     mpi4py.rc.thread_level = "multiple"
@@ -216,7 +216,7 @@ class MPIBackend(Backend):
         self.cuda_aware, self.cuda_aware_source = cuda_support()
         self.devices = frozenset({"cpu", "cuda"} if self.cuda_aware and self.direct_cuda else {"cpu"})
         self.queue: deque[DeferredPending] = deque()  # submitted, not started: in submission order
-        self.lock = threading.Lock()  # the queue: submitting threads and the engine's helper threads
+        self.lock = threading.Lock()  # the queue: submitting threads and the engine's futures thread
         self.deferred_domain = "deferred:" + self.name
         self.ordered = False  # every op in stream order (order_after_streams)
         self.side: dict[torch.device, tuple] = {}  # per device: two private streams

@@ -118,7 +118,7 @@ class BufferPool:
     are never handed out again, so a buffer of an outstanding async call is
     never reused. Free buffers are bounded by ``max_bytes`` (LRU eviction).
     Thread-safe: buffers are released from completion callbacks, which may run
-    on the future helper thread."""
+    on the futures thread."""
 
     def __init__(self, max_bytes: Optional[int] = None):
         self.max_bytes = _env_bytes("MCRDL_FUSION_POOL_BYTES", DEFAULT_POOL_BYTES) \

@@ -18,16 +18,17 @@ Hooks (``hook(state, bucket) -> torch.futures.Future[Tensor]``):
 
 * :func:`mcrdl_allreduce_hook` — like torch's ``allreduce_hook`` (and DDP's
   built-in all-reduce): divide the bucket by the group size, then an async
-  ``mcrdl.all_reduce`` (SUM); its ``Work.get_future()`` completes on a helper
-  thread, so the all-reduce overlaps the rest of the backward pass. Same
+  ``mcrdl.all_reduce`` (SUM); its ``Work.get_future()`` completes on mcrdl's
+  futures thread, so the all-reduce overlaps the rest of the backward pass. Same
   result as DDP's built-in all-reduce (bit for bit on 2 ranks).
-* :func:`mcrdl_polled_allreduce_hook` — the same all-reduces without helper
-  threads: each hook call completes the futures of earlier buckets whose
+* :func:`mcrdl_polled_allreduce_hook` — the same all-reduces without the futures
+  thread: each hook call completes the futures of earlier buckets whose
   all-reduce finished, and the last bucket's call waits for all of them (on
   the caller's thread, which keeps every library progressing). Less overlap
-  than :func:`mcrdl_allreduce_hook` (MPI progresses only at hook calls), but
-  no thread per bucket competing for the GIL and the cores: faster on small
-  CPU hosts. Same result.
+  than :func:`mcrdl_allreduce_hook` (MPI progresses only at hook calls), and
+  no thread competing for the GIL and the cores. With a thread per future it
+  was the faster of the two on this 2-core host; with one futures thread they
+  are within noise (docs/results/ddp_futures_vs_2e90c62.txt). Same result.
 * :func:`mcrdl_fused_allreduce_hook` — fusion *across* buckets (tensor fusion,
   ``mcrdl.features.fusion.all_reduce_coalesced``): buckets are held until the
   last one is ready, then all go out in as few fused all-reduces as the fusion
@@ -84,7 +85,7 @@ def mcrdl_allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
 
 
 def mcrdl_polled_allreduce_hook(state, bucket) -> torch.futures.Future[torch.Tensor]:
-    """Like :func:`mcrdl_allreduce_hook` without helper threads: the returned
+    """Like :func:`mcrdl_allreduce_hook` without the futures thread: the returned
     futures are completed by the caller's thread, at later buckets' hook calls
     (those already done) and, at the last bucket, after waiting for all."""
     st = state

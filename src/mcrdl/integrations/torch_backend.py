@@ -30,7 +30,7 @@ torch's ``PyProcessGroup`` trampoline forwards to Python (``allreduce``,
 ``broadcast``, ``allgather``, ...). Each method calls mcrdl's API and returns
 a :class:`MCRDLTorchWork` (a Python ``torch.distributed.Work``) whose
 ``wait()`` drives mcrdl's progress engine and whose ``get_future()`` is
-completed by mcrdl's helper thread, as DDP requires.
+completed by mcrdl's futures thread, as DDP requires.
 
 See docs/torch_backend.md for the supported ops and the limits.
 """
@@ -243,7 +243,7 @@ def _sparse_all_reduce(t: torch.Tensor, g: Group) -> None:
 class MCRDLTorchWork(dist.Work):
     """A ``torch.distributed.Work`` over an mcrdl :class:`~mcrdl.Work` (or over
     an op that already completed). ``wait()`` drives mcrdl's progress on the
-    calling thread; ``get_future()`` is completed by mcrdl's helper thread."""
+    calling thread; ``get_future()`` is completed by mcrdl's futures thread."""
 
     def __init__(self, work, result, op: str):
         super().__init__()

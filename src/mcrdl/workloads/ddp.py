@@ -8,8 +8,8 @@ store) exists only because DDP needs one to construct (it broadcasts the
 initial weights there). In the mcrdl modes a communication hook
 (:mod:`mcrdl.integrations.ddp_hook`) sends every gradient bucket through
 mcrdl's async all-reduce, so the mode's selection picks the library per
-bucket size. Variants (after ``+`` in ``--mode``): ``polled`` (no helper
-threads: futures completed at later hook calls), ``fused`` (buckets fused
+bucket size. Variants (after ``+`` in ``--mode``): ``polled`` (no futures
+thread: futures completed at later hook calls), ``fused`` (buckets fused
 across the step, mcrdl's tensor fusion), ``fp16`` / ``bf16`` (compressed
 all-reduce: lossy, not held to the agreement check). Mode ``torch``: no hook,
 DDP's own all-reduce on torch's gloo group (what PyTorch gives a CPU user
