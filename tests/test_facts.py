@@ -141,6 +141,9 @@ def test_ranges_of_no_tensors_and_of_other_sequences(compiled):
     assert compiled.ranges((x for x in [t]), ()) is None  # not a list or tuple: facts.ranges reads it
     with pytest.raises(TypeError):
         compiled.ranges((t,))
+    huge = torch.empty_strided((3,), (2**62,), device="meta")  # its span is past 2^64
+    assert compiled.ranges((huge,), ()) is None
+    assert facts.ranges((huge,), ())[2][0][2] == 2 * 2**62 * 4 + 4
 
 
 STATUS = "from mcrdl import facts; print(facts.status())"

@@ -4,11 +4,14 @@
 // them per call. A tensor qualifies when it is a strided CPU tensor that is
 // contiguous, not nested, has storage and no Python dispatch (a wrapper
 // subclass takes the general path). torch's errors raise as they do in Python.
+// ranges() is the exception: it reads any strided tensor with storage (the
+// memory an async op touches, for the order check), CUDA ones too.
 #include <Python.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -130,7 +133,9 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
 }
 
 // The bytes [start, end) a strided tensor with storage and no Python dispatch
-// may touch, in `out`; false for any other object.
+// may touch, in `out`; false for any other object (or a span past 2^64). It
+// reads the tensor itself: a __torch_function__ override of data_ptr() is not
+// asked, as it is by facts.extent.
 bool extent(PyObject *o, uintptr_t out[2], c10::Device *device)
 {
     if (!THPVariable_Check(o))
@@ -147,11 +152,16 @@ bool extent(PyObject *o, uintptr_t out[2], c10::Device *device)
             out[1] = out[0] + nbytes;
         }
     } else if (t.numel()) {
-        int64_t reach = 1;
+        int64_t reach = 1, step;
         for (int64_t d = 0; d < t.dim(); d++)
-            reach += (t.size(d) - 1) * std::abs(t.stride(d));
+            if (__builtin_mul_overflow(t.size(d) - 1, std::abs(t.stride(d)), &step)
+                || __builtin_add_overflow(reach, step, &reach))
+                return false; // (a meta tensor's strides can be anything: Python's ints then)
+        uintptr_t bytes;
         out[0] = reinterpret_cast<uintptr_t>(t.data_ptr());
-        out[1] = out[0] + static_cast<uintptr_t>(reach) * t.element_size();
+        if (__builtin_mul_overflow(static_cast<uintptr_t>(reach), static_cast<uintptr_t>(t.element_size()), &bytes)
+            || __builtin_add_overflow(out[0], bytes, &out[1]))
+            return false;
     }
     return true;
 }
@@ -165,12 +175,15 @@ PyObject *ranges(PyObject *, PyObject *const *args, Py_ssize_t n)
     HANDLE_TH_ERRORS
     if (!nargs("ranges", n, 2))
         return nullptr;
-    PyObject *reads = args[0], *writes = args[1];
-    for (PyObject *seq : {reads, writes})
+    for (PyObject *seq : {args[0], args[1]})
         if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq))
             Py_RETURN_NONE;
-    Py_ssize_t n_writes = PySequence_Fast_GET_SIZE(writes), n_reads = PySequence_Fast_GET_SIZE(reads);
-    PyObject **written = PySequence_Fast_ITEMS(writes), **read = PySequence_Fast_ITEMS(reads);
+    // tuples: a list could change under a collection's finalizer while this allocates
+    THPObjectPtr reads(PySequence_Tuple(args[0])), writes(reads ? PySequence_Tuple(args[1]) : nullptr);
+    if (!writes)
+        return nullptr;
+    Py_ssize_t n_writes = PyTuple_GET_SIZE(writes.get()), n_reads = PyTuple_GET_SIZE(reads.get());
+    PyObject **written = PySequence_Fast_ITEMS(writes.get()), **read = PySequence_Fast_ITEMS(reads.get());
     PyObject *list = PyList_New(0);
     if (list == nullptr)
         return nullptr;

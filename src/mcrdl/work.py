@@ -155,7 +155,7 @@ DEFAULT_TIMEOUT = 1800.0
 _LEAKED: list = []
 
 #: How long destroying the process group waits for the futures thread's callbacks.
-HELPER_JOIN_S = 10.0
+FUTURES_JOIN_S = 10.0
 #: How long the futures thread waits for another work before it ends.
 FUTURES_LINGER_S = 1.0
 #: Longest a wait blocks inside one library before it looks whether the
@@ -173,6 +173,10 @@ WAIT_POLICIES = ("auto", "spin", "yield")
 #: How long a wait under the spin policy polls before it yields (a long wait).
 SPIN_S = 1e-3
 _busy_s = 0.0  # set by set_wait_policy: 0 polls FIRST_POLLS times, then yields
+#: Polls a wait makes before it looks at the clock (and, under the yield policy,
+#: gives up the CPU): a Python poll takes ~1 µs, 10x a poll in mpi_native.c
+#: (its FIRST_POLLS is 200), so 20 here busy about as long.
+FIRST_POLLS = 20
 _burst = 1  # set by set_wait_policy: tests per turn of a wait for one MPI request
 
 
@@ -218,7 +222,7 @@ def spin_until(test: Callable[[], bool], deadline: float) -> bool:
     start = None
     while not test():
         spins += 1
-        if spins < 200:
+        if spins < FIRST_POLLS:
             continue
         now = time.monotonic()
         if now > deadline:
@@ -336,9 +340,10 @@ class Work:
         The engine's futures thread polls every backend until the work
         completes, so the future completes even when nobody else drives
         progress (as DDP communication hooks require); it never blocks inside
-        one library. Callbacks (``then``) run on that thread, as torch's run on
-        its backends' threads: one that blocks on another mcrdl future waits
-        for itself."""
+        one library. Callbacks (``then``) run on the thread that completes the
+        work, usually that one, as torch's run on its backends' threads: while
+        one runs, no other future completes, so a callback must not wait for
+        another mcrdl future (``Work.wait()`` is fine: it drives progress)."""
         with self._engine._lock:
             if self._future is not None:
                 return self._future
@@ -435,27 +440,30 @@ class Engine:
         with self._lock:
             self._watched.append((work, native is not None))
             self._fresh = True
-            thread = None
-            if self._watcher is None:
-                thread = self._watcher = threading.Thread(target=self._watch, daemon=True, name="mcrdl-futures")
-            else:
+            if self._watcher is not None:
                 self._arrived.notify()
-        if thread is not None:
-            thread.start()
+                return
+            thread = threading.Thread(target=self._watch, daemon=True, name="mcrdl-futures")
+            thread.start()  # (under the lock: shutdown never joins one not yet started)
+            self._watcher = thread
 
     def _watch(self) -> None:
         """The futures thread: turns of :meth:`_watch_turn` on the wait
         policy's schedule (anew for each work that arrives) while works are
         watched, then :data:`FUTURES_LINGER_S` for more before it ends."""
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    if not self._watched and not self._closing:
+                        self._arrived.wait(FUTURES_LINGER_S)
+                    if not self._watched:
+                        return
+                    self._fresh = False
+                spin_until(self._watch_turn, math.inf)
+        finally:  # (also if a turn raised: the next watch() starts a thread)
             with self._lock:
-                if not self._watched and not self._closing:
-                    self._arrived.wait(FUTURES_LINGER_S)
-                if not self._watched:
+                if self._watcher is threading.current_thread():
                     self._watcher = None
-                    return
-                self._fresh = False
-            spin_until(self._watch_turn, math.inf)
 
     def _watch_turn(self) -> bool:
         """Drive progress once (after sleeping until a library's own future
@@ -470,10 +478,17 @@ class Engine:
         self.poll()
         now = time.monotonic()
         for work, _ in watched:
-            if not work._done and now > work._deadline:
-                self._abandon(work)
-            if work._done:
-                work._settle_future()
+            try:
+                if not work._done and now > work._deadline:
+                    self._abandon(work)
+                if work._done:
+                    work._settle_future()
+            except Exception as exc:  # the failure hook raised, or the user completed the future
+                with self._lock:
+                    fut, settled = work._future, work._settled
+                    work._settled = True  # the thread does not try again
+                if not settled and not fut.done():
+                    fut.set_exception(exc)
         with self._lock:
             self._watched = [e for e in self._watched if not e[0]._settled]
             return not self._watched or self._fresh
@@ -502,7 +517,8 @@ class Engine:
                                            "group was destroyed before it completed"))
         deadline = time.monotonic() + 0.5
         while self._abandoned and time.monotonic() < deadline:
-            self._test_abandoned()
+            with self._lock:  # (the futures thread may be polling them too)
+                self._test_abandoned()
         _LEAKED.extend(self._abandoned)
         self._abandoned = []
         for work in works:
@@ -519,9 +535,9 @@ class Engine:
             thread = self._watcher
         if thread is None or thread is threading.current_thread():
             return
-        thread.join(HELPER_JOIN_S)
+        thread.join(FUTURES_JOIN_S)
         if thread.is_alive():
-            warnings.warn(f"mcrdl: future callbacks still running {HELPER_JOIN_S:.0f} s after "
+            warnings.warn(f"mcrdl: future callbacks still running {FUTURES_JOIN_S:.0f} s after "
                           "the process group was destroyed; the process may abort at exit",
                           RuntimeWarning, stacklevel=2)
 
@@ -619,9 +635,9 @@ class Engine:
         work = Work(self, op, backend, pending, reads, writes, post, group, result)
         work._spans = spans
         domain = pending.progress_domain
-        if domain is not None and domain not in self._domains:
-            self._domains = self._domains | {domain}  # replaced, never mutated
         with self._lock:
+            if domain is not None and domain not in self._domains:
+                self._domains = self._domains | {domain}  # replaced, never mutated
             self.outstanding.append(work)
         if async_op:
             return work
@@ -757,7 +773,7 @@ class Engine:
                     done = self._block_watched(pending, deadline, work.op, work.backend, work.group)
                     if done:
                         self._retire(work)
-                else:  # (one test first: in a batch, most are done by their turn)
+                else:  # (one test before building the poll loop: in a batch most are done by their turn)
                     done = self._test_one(work) or spin_until(lambda: self._test_one(work), deadline)
             else:
                 pending.prepare_poll()

@@ -6,8 +6,8 @@
  * Every op returns None once complete, or, when `timeout` seconds pass first,
  * the still-pending mpi4py Request (the caller abandons it; MPI may still
  * write the buffers, which the caller keeps alive). A `timeout` of 0 or less
- * starts the op and tests it once: the async fast paths, whose requests the
- * engine tracks. MPI errors raise the
+ * only starts the op and returns its Request: the async fast paths, whose
+ * requests the engine tracks. MPI errors raise the
  * class given to set_error (mcrdl's CommError) naming the MPI call and MPI's
  * message; counts outside C int raise OverflowError. */
 #define PY_SSIZE_T_CLEAN
@@ -86,10 +86,8 @@ static PyObject *finish(int rc, MPI_Request req, double timeout, const char *cal
 {
     if (rc != MPI_SUCCESS)
         return mpi_error(rc, call);
-    if (timeout <= 0.0) { /* start only: one test, no wait */
-        int flag = 0;
-        rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
-        rc = rc != MPI_SUCCESS ? -rc : flag;
+    if (timeout <= 0.0) { /* start only: the engine tests it (and reports its errors) */
+        rc = 0;
     } else {
         Py_BEGIN_ALLOW_THREADS
         rc = wait_request(&req, timeout);
