@@ -4,13 +4,15 @@ against mpi4py (``Iallreduce`` on numpy views of the same-sized tensors, then
 ``Waitall``), in one job, interleaved.
 
     mcrdl run -n 2 benchmarks/async_inflight.py [--sizes 4,16K,256K] [--batches 1,4,16]
-                                                [--rounds R] [--json out.json]
+                                                [--futures] [--rounds R] [--json out.json]
 
 A figure is µs per op (elapsed for many batches / ops), the slowest rank's;
 the report is the median over ``R`` rounds of each variant and of the
 per-round ratio mcrdl / raw. Both variants' results are compared once before
 timing. Each op mcrdl starts is checked against every op in flight for
 shared memory (program order, DESIGN hazard 3): what that costs grows with B.
+``--futures``: mcrdl's ops are waited for through ``Work.get_future()``, as DDP
+waits for its buckets (completed by mcrdl's futures thread).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="4,16K,256K")
     parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--futures", action="store_true", help="wait through get_future() (DDP's way)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -49,8 +52,9 @@ def main() -> int:
             views = [t.numpy() for t in theirs]
 
             def mcrdl_batch():
-                for work in [mcrdl.all_reduce(t, async_op=True, backend="mpi") for t in ours]:
-                    work.wait()
+                works = [mcrdl.all_reduce(t, async_op=True, backend="mpi") for t in ours]
+                for waiting in [w.get_future() for w in works] if args.futures else works:
+                    waiting.wait()
 
             def raw_batch():
                 MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, v, MPI.SUM) for v in views])
@@ -72,7 +76,8 @@ def main() -> int:
                               f"{row['raw_us']:.2f} us per op = {row['ratio']:.2f}x", highlight=False,
                               markup=False)
     if rank == 0:
-        table = Table(title=f"async all_reduce in flight, mcrdl / raw mpi4py, {world} ranks, "
+        how = " (get_future)" if args.futures else ""
+        table = Table(title=f"async all_reduce in flight, mcrdl{how} / raw mpi4py, {world} ranks, "
                             f"median of {args.rounds} rounds")
         table.add_column("in flight")
         for nbytes in sizes:
@@ -84,6 +89,7 @@ def main() -> int:
         console.print(table)
         if args.json:
             write_json(args.json, {"benchmark": "async_inflight", "world_size": world, "rounds": args.rounds,
+                                   "futures": args.futures,
                                    "environment": environment(mpi=MPI.Get_library_version().splitlines()[0]),
                                    "command": " ".join(sys.argv), "results": results}, console)
     mcrdl.destroy_process_group()
