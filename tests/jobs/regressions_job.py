@@ -60,7 +60,7 @@ def aliased():
 
 
 def future():
-    """A future's helper thread never blocks in gloo while MPI work waits on it."""
+    """The futures thread never blocks in gloo while MPI work waits on it."""
     g = torch.ones(4)
     big = torch.zeros(16 << 20)
     start = time.perf_counter()

@@ -132,7 +132,7 @@ mcrdl.barrier()
 
 # deferred starts: copies in land late, differently per rank and op; collectives of
 # different sizes must still start in submission order everywhere (else they cross),
-# while another thread polls the engine as a future's helper thread does
+# while another thread polls the engine as the futures thread does
 LATE = "mpi_staged_late"
 late = mcrdl.new_group(list(range(world)), timeout=20)
 stop = threading.Event()
