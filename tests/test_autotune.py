@@ -29,6 +29,16 @@ def test_drift_check_opens_a_bucket_again_at_one_call_on_every_rank():
     assert out.count("drift OK") == 2, out[-3000:]
 
 
+@pytest.mark.parametrize("costly,block_ms", [("gloo", "30"), ("mpi", "30"), ("gloo", "0")])
+def test_trial_over_blocks_refuses_a_backend_that_slows_the_work_around_it(costly, block_ms):
+    """gloo wins per call, but calls on ``costly`` slow what the job does after
+    them: the trial keeps mpi when gloo is costly, gloo otherwise; with no
+    trial (0 ms) the per-call winner stays. The ranks' blocks must be agreed."""
+    out = run_job(2, "autotune_job.py", f"step_cost_{costly}", timeout=180,
+                  env={"MCRDL_AUTOTUNE_BLOCK_MS": block_ms})
+    assert out.count(f"step_cost_{costly} OK") == 2, out[-3000:]
+
+
 def test_debug_mode_names_a_drifted_schedule():
     out = run_job(2, "autotune_job.py", "debug_divergence", timeout=120, env={"MCRDL_DEBUG": "1"})
     assert out.count("debug_divergence OK") == 2, out[-3000:]
@@ -88,7 +98,13 @@ def test_settings_are_checked_before_anything_starts(monkeypatch):
         Autotuner.settings(None)
     monkeypatch.setenv("MCRDL_AUTOTUNE_CALLS", "5")
     monkeypatch.setenv("MCRDL_AUTOTUNE_SAVE", "/tmp/x.json")
-    assert Autotuner.settings(None) == {"calls": 5, "save": "/tmp/x.json", "drift": 0}
+    assert Autotuner.settings(None) == {"calls": 5, "save": "/tmp/x.json", "drift": 0, "block_ms": 30.0}
+    for bad in ("-1", "x", "inf", "nan"):
+        monkeypatch.setenv("MCRDL_AUTOTUNE_BLOCK_MS", bad)
+        with pytest.raises(ValueError, match="MCRDL_AUTOTUNE_BLOCK_MS: expected milliseconds >= 0"):
+            Autotuner.settings(None)
+    monkeypatch.setenv("MCRDL_AUTOTUNE_BLOCK_MS", "2.5")
+    assert Autotuner.settings(None)["block_ms"] == 2.5
     for bad in ("1", "-3", "x"):
         monkeypatch.setenv("MCRDL_AUTOTUNE_DRIFT", bad)
         with pytest.raises(ValueError, match="MCRDL_AUTOTUNE_DRIFT: expected 0 .off. or a window"):

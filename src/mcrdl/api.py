@@ -85,7 +85,7 @@ def _check_same_selection(rt: Runtime) -> None:
               "device_defaults": rt.selector.device_defaults,
               "static": rt.selector.static, "debug": rt.debug,
               "autotune": None if rt.autotune is None else [rt.autotune.calls, rt.autotune.warmup,
-                                                            rt.autotune.drift],
+                                                            rt.autotune.drift, rt.autotune.block_ms],
               "table": None if table is None else json.dumps(table.to_dict(), sort_keys=True)}
     mine = json.dumps(config, sort_keys=True)
     digest = hashlib.sha256(mine.encode()).hexdigest()

@@ -40,12 +40,27 @@ its lowest window median so far; :data:`DRIFT_WINDOWS` windows in a row whose
 median is at least :data:`DRIFT_FACTOR` times the baseline, on any member,
 open the bucket again: it is explored as before, with the winner as seed,
 from the next call. Barriers are not watched.
+
+Trial over blocks (``block_ms``, ``MCRDL_AUTOTUNE_BLOCK_MS``; 30 by default, 0:
+off): a challenger that wins per call still has to show it costs the job no
+more than the seed does. A call's time cannot show what a backend costs the
+work around it (under load, a gloo all-gather measured faster than MPI's while
+the steps around it took twice as long: docs/results/autotune.md), so the
+bucket's next calls run in blocks, seed and challenger in the order
+:data:`TRIAL_ORDER`, each block enough calls to span about ``block_ms`` of the
+job (the members agree on that count, the largest proposed, with the winner),
+and each block is timed from its first call to the next block's first call:
+the job's own work between the calls included. The call after the last block
+decides, again at a call every member reaches: the challenger is refused, and
+the seed kept, if its blocks were slower than the seed's in every pair on every
+member.
 """
 from __future__ import annotations
 
 import copy
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -66,6 +81,11 @@ DRIFT_SAMPLE = 16
 #: Slow windows in a row (on one member) that open a bucket again: one slow
 #: window is often one descheduled rank or a call that took the general path.
 DRIFT_WINDOWS = 2
+#: The trial's blocks: seed (0) and challenger (1), three pairs ordered ABBA so
+#: that a steady change of load favours neither.
+TRIAL_ORDER = (0, 1, 1, 0, 0, 1)
+#: Calls per trial block at most (a bucket called back to back needs no more).
+TRIAL_MAX_CALLS = 64
 
 
 def bucket(nbytes: int) -> int:
@@ -81,8 +101,8 @@ def bucket_bounds(b: int) -> tuple[int, int]:
 class Bucket:
     """One (op class, size bucket) of one group: its schedule and its outcome."""
 
-    __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how",
-                 "since", "window", "base", "slow", "reopened")
+    __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how", "since", "window", "base",
+                 "slow", "reopened", "first", "trial", "block", "trial_from", "stamps", "blocks")
 
     def __init__(self, candidates: tuple[str, ...]):
         self.reopened: list[dict] = []  # drift checks that opened the bucket again
@@ -102,19 +122,26 @@ class Bucket:
         self.window: list[float] = []  # this rank's timed calls of the current drift window
         self.base: Optional[float] = None  # this rank's lowest window median since freezing
         self.slow = 0  # this rank's slow windows in a row
+        self.first = 0.0  # when the first exploring call started (perf_counter)
+        self.trial: Optional[str] = None  # the challenger on trial over blocks of calls
+        self.block = 0  # calls per trial block (agreed)
+        self.trial_from = 0  # the bucket's call count when the trial began
+        self.stamps: list[float] = []  # when each trial block's first call started
+        self.blocks: Optional[dict] = None  # the trial's outcome on this rank (report)
 
 
 class Autotuner:
     """Per-group exploration state; consulted by the API for every collective."""
 
     def __init__(self, selector, calls: int = 3, warmup: int = 1, margin: float = 0.05,
-                 save: Optional[str] = None, drift: int = 0):
-        if calls < 1 or warmup < 0 or drift < 0 or drift == 1:
-            raise ValueError(f"autotune: calls must be >= 1, warm-up >= 0 and drift 0 (off) or >= 2, got "
-                             f"{calls}, {warmup}, {drift}")
+                 save: Optional[str] = None, drift: int = 0, block_ms: float = 30.0):
+        if calls < 1 or warmup < 0 or drift < 0 or drift == 1 or not block_ms >= 0:
+            raise ValueError(f"autotune: calls must be >= 1, warm-up >= 0, drift 0 (off) or >= 2 and the "
+                             f"trial's block >= 0 ms, got {calls}, {warmup}, {drift}, {block_ms}")
         self.selector = selector
         self.calls, self.warmup, self.margin, self.save_path = calls, warmup, margin, save
         self.drift = drift  # drift-check window in calls (0: off)
+        self.block_ms = block_ms  # a trial block's span (0: no trial)
         self.rounds = warmup + calls  # exploration rounds: one call on each candidate
         self.groups: list[tuple[str, int, dict]] = []  # (name, size, Group.tuned) of every group explored
         self.excess_s = 0.0  # this rank's timed calls on losers, beyond the winner's median
@@ -122,8 +149,8 @@ class Autotuner:
     @staticmethod
     def settings(enabled: Optional[bool]) -> Optional[dict]:
         """The job's autotune settings (``autotune=`` or ``MCRDL_AUTOTUNE=1``,
-        ``MCRDL_AUTOTUNE_CALLS``, ``MCRDL_AUTOTUNE_SAVE``, ``MCRDL_AUTOTUNE_DRIFT``),
-        or None when off."""
+        ``MCRDL_AUTOTUNE_CALLS``, ``MCRDL_AUTOTUNE_SAVE``, ``MCRDL_AUTOTUNE_DRIFT``,
+        ``MCRDL_AUTOTUNE_BLOCK_MS``), or None when off."""
         if enabled is None:
             flag = os.environ.get("MCRDL_AUTOTUNE", "0")
             if flag not in ("0", "1"):
@@ -138,7 +165,15 @@ class Autotuner:
         if not drift.isdigit() or 0 < int(drift) < 2:
             raise ValueError(f"MCRDL_AUTOTUNE_DRIFT: expected 0 (off) or a window of at least 2 calls, "
                              f"got {drift!r}")
-        return {"calls": int(raw), "save": os.environ.get("MCRDL_AUTOTUNE_SAVE") or None, "drift": int(drift)}
+        block = os.environ.get("MCRDL_AUTOTUNE_BLOCK_MS", "30")
+        try:
+            block_ms = float(block)
+        except ValueError:
+            block_ms = -1.0
+        if not 0 <= block_ms < float("inf"):
+            raise ValueError(f"MCRDL_AUTOTUNE_BLOCK_MS: expected milliseconds >= 0 (0: no trial), got {block!r}")
+        return {"calls": int(raw), "save": os.environ.get("MCRDL_AUTOTUNE_SAVE") or None, "drift": int(drift),
+                "block_ms": block_ms}
 
     def explores(self, op: str, explicit: Optional[str]) -> bool:
         """Does autotune decide this call (no ``backend=``, no static map entry)?"""
@@ -170,11 +205,17 @@ class Autotuner:
             name = b.winner
             timed = self._drifts(cls, b) and self._count(rt, g, b) and runnable(name)
             return (name if runnable(name) else None), (b if timed else None)
+        if b.trial is not None:
+            name = self._trial_call(rt, g, b)
+            return (name if runnable(name) else None), None
         rnd, slot = divmod(b.calls, len(b.candidates))
+        if not b.calls:
+            b.first = time.perf_counter()
         b.calls += 1
         if rnd == self.rounds:
             self._agree(rt, g, b)
-            return (b.winner if runnable(b.winner) else None), None
+            name = b.winner or b.candidates[0]  # (a trial begins at the next call)
+            return (name if runnable(name) else None), None
         name = b.candidates[slot]
         if not runnable(name):  # e.g. a dtype only some backends take: not timed
             return None, None
@@ -283,14 +324,19 @@ class Autotuner:
         wins only if that is ``margin`` below the seed's and, on every member,
         it beat the seed in every round both were timed in (at least 2): calls
         of one round ran back to back, so a burst of load or a slow first call
-        is no win. Otherwise the seed stays."""
+        is no win. Otherwise the seed stays. With ``block_ms``, the winning
+        challenger goes on trial (:meth:`_confirm` decides) instead; the members
+        propose each a block (the calls spanning ``block_ms`` at this rank's pace
+        so far) and the largest is agreed."""
         seed, n = b.candidates[0], len(b.candidates)
         medians = [-int(statistics.median(b.times[c].values()) * 1e9) if b.times[c] else -UNMEASURED
                    for c in b.candidates]
         verdicts = [-int(self._beats_every_round(b, c)) for c in b.candidates]
-        both = rt.control_max(g, medians + verdicts)  # negated: the minimum over members
+        every = (time.perf_counter() - b.first) / (b.calls - 1)  # this rank's time per call of the bucket
+        block = min(TRIAL_MAX_CALLS, max(1, math.ceil(self.block_ms / 1e3 / every))) if self.block_ms else 0
+        both = rt.control_max(g, medians + verdicts + [block])  # (medians, verdicts negated: minimum)
         group = [-t for t in both[:n]]
-        clear_everywhere = [t == -1 for t in both[n:]]
+        clear_everywhere = [t == -1 for t in both[n:2 * n]]
         b.agreed = {c: (None if t >= UNMEASURED else t / 1e3) for c, t in zip(b.candidates, group)}
         best = min(zip(group, b.candidates))
         if best[0] >= UNMEASURED:
@@ -300,11 +346,55 @@ class Autotuner:
         else:
             ok = [(t, c) for t, c, clear in zip(group, b.candidates, clear_everywhere)
                   if c != seed and clear and t < group[0] * (1 - self.margin)]
+            if ok and both[-1]:
+                b.trial, b.block, b.trial_from = min(ok)[1], both[-1], b.calls
+                b.how = f"{min(ok)[1]} measured fastest per call: on trial in blocks of {b.block} calls"
+                return
             if ok:
                 b.winner, b.how = min(ok)[1], "measured fastest, in every round on every rank"
             else:
                 b.winner, b.how = seed, (f"kept the seed: {best[1]} was not {self.margin:.0%} faster, or not "
                                          "in every round on every rank")
+        self._tally(b)
+
+    def _trial_call(self, rt, g, b: Bucket) -> str:
+        """The backend for this call of ``b`` on trial: its block's, or at the
+        call after the last block the group's verdict."""
+        blk, at = divmod(b.calls - b.trial_from, b.block)
+        b.calls += 1
+        if not at:
+            b.stamps.append(time.perf_counter())
+        if blk < len(TRIAL_ORDER):
+            return b.trial if TRIAL_ORDER[blk] else b.candidates[0]
+        self._confirm(rt, g, b)
+        return b.winner
+
+    def _confirm(self, rt, g, b: Bucket) -> None:
+        """Freeze ``b`` after its trial (a collective of ``g``): the seed stays
+        if the challenger's blocks took longer than the seed's in every pair on
+        every member; otherwise the challenger wins."""
+        seed, challenger = b.candidates[0], b.trial
+        took: dict[str, list[float]] = {seed: [], challenger: []}
+        for side, t0, t1 in zip(TRIAL_ORDER, b.stamps, b.stamps[1:]):
+            took[challenger if side else seed].append(t1 - t0)
+        slower = all(c > s for s, c in zip(took[seed], took[challenger]))
+        refused = rt.control_max(g, -int(slower)) == -1  # negated: on every member
+        b.blocks = {"calls": b.block, "ms": {n: [round(t * 1e3, 2) for t in ts] for n, ts in took.items()},
+                    "refused": refused}
+        b.trial = None
+        if refused:
+            b.winner, b.how = seed, (f"kept the seed: {challenger} measured faster per call, but its blocks of "
+                                     f"{b.block} calls (the job's work between them included) took longer than "
+                                     f"{seed}'s in every pair on every rank")
+        else:
+            b.winner, b.how = challenger, (f"measured fastest, in every round on every rank, and its blocks of "
+                                           f"{b.block} calls were not slower than {seed}'s in every pair")
+        lost = sum(took[challenger if refused else seed]) - sum(took[b.winner])  # the loser's blocks
+        self.excess_s += max(0.0, lost)
+        self._tally(b)
+
+    def _tally(self, b: Bucket) -> None:
+        """Add this rank's timed calls on the losers of frozen ``b``, beyond the winner's median, to the cost."""
         if b.times[b.winner]:
             best_s = statistics.median(b.times[b.winner].values())
             self.excess_s += sum(t - best_s for c in b.candidates if c != b.winner for t in b.times[c].values())
@@ -327,7 +417,7 @@ class Autotuner:
                 rows.append({"group": gname, "group_size": size, "op": cls, "device": device,
                              "min_bytes": lo, "max_bytes": hi, "calls": b.calls, "us": b.agreed,
                              "mine_us": {c: [round(t * 1e6, 1) for t in ts.values()] for c, ts in b.times.items()},
-                             "winner": b.winner, "how": b.how, "reopened": b.reopened})
+                             "winner": b.winner, "how": b.how, "trial": b.blocks, "reopened": b.reopened})
         return rows
 
     def peek(self, g, op: str, nbytes: int, device: str) -> str:
@@ -345,6 +435,9 @@ class Autotuner:
         b = g.tuned.get((cls, device, bucket(nbytes)))
         if b is None:
             return "autotune: not called yet (the next calls explore)"
+        if b.trial is not None:
+            return (f"autotune: {b.trial} on trial against {b.candidates[0]} ({b.calls - b.trial_from} of "
+                    f"{len(TRIAL_ORDER) * b.block} calls, in blocks of {b.block})")
         if b.winner is None:
             return f"autotune: exploring ({b.calls} of {len(b.candidates) * self.rounds} calls)"
         us = ", ".join(f"{c} {'-' if t is None else f'{t:.1f} us'}" for c, t in b.agreed.items())

@@ -152,6 +152,48 @@ def disagree():
     same_winners(api._runtime.world, list(range(world)))
 
 
+def step_cost(costly):
+    """Per call gloo measures faster on every rank (mpi's times are recorded
+    1000x), but every call that runs on ``costly`` slows the job's work after
+    it by 5 ms. The trial over blocks of calls sees what per-call times cannot:
+    gloo wins unless it is the costly one (with MCRDL_AUTOTUNE_BLOCK_MS=0, no
+    trial: gloo always). Rank 1 starts 50 ms late, so the ranks' paces (and
+    the blocks they propose) differ: a schedule from unagreed blocks hangs."""
+    real = tuner.record
+    tuner.record = lambda b, name, s: real(b, name, s * (1000 if name == "mpi" else 1))
+    ran = []
+    be = api._runtime.backends[costly]
+    real_all_reduce = be.all_reduce
+
+    def all_reduce(h, t, op):
+        if t.dtype == torch.float32:  # (not the agreement's int64 all-reduce)
+            ran.append(1)
+        return real_all_reduce(h, t, op)
+    be.all_reduce = all_reduce
+    if rank == 1:
+        time.sleep(0.05)
+    i = 0
+    while i < 2 or exploring():
+        check(i < 400, "exploration does not end", tuner.report())
+        i += 1
+        t = torch.full((16,), float(rank + i))
+        mcrdl.all_reduce(t)
+        check(torch.equal(t, torch.full((16,), float(sum(range(world)) + world * i))), "all_reduce", i)
+        if ran:
+            ran.clear()
+            time.sleep(0.005)
+    be.all_reduce = real_all_reduce
+    b = api._runtime.world.tuned[("all_reduce", "cpu", bucket(64))]
+    trial = tuner.block_ms > 0
+    want = "mpi" if trial and costly == "gloo" else "gloo"
+    check(b.winner == want, "winner", b.winner, "expected", want, b.how, b.blocks)
+    check((b.blocks is not None) == trial, "trial", b.blocks)
+    same_winners(api._runtime.world, list(range(world)))
+    rows = api._runtime.control_allgather(api._runtime.world, json.dumps([b.block, b.calls]).encode())
+    check(len(set(rows)) == 1, "ranks disagree on the trial's blocks:", *rows)
+    print(f"rank {rank}: {b.winner}: {b.how}; {b.blocks}", flush=True)
+
+
 def slow_rank():
     """Rank 1 arrives late at every call, by a random delay."""
     rng = random.Random(rank)
@@ -299,6 +341,7 @@ def drift():
 
 
 {"ops": ops, "drift": drift, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank, "subgroups": subgroups,
- "uneven": uneven, "reused": reused, "debug_divergence": debug_divergence}[case]()
+ "uneven": uneven, "reused": reused, "debug_divergence": debug_divergence,
+ "step_cost_gloo": lambda: step_cost("gloo"), "step_cost_mpi": lambda: step_cost("mpi")}[case]()
 print(f"rank {rank}: {case} OK", flush=True)
 mcrdl.destroy_process_group()
