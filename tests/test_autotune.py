@@ -29,7 +29,7 @@ def test_drift_check_opens_a_bucket_again_at_one_call_on_every_rank():
     assert out.count("drift OK") == 2, out[-3000:]
 
 
-@pytest.mark.parametrize("costly,block_ms", [("gloo", "30"), ("mpi", "30"), ("gloo", "0")])
+@pytest.mark.parametrize("costly,block_ms", [("gloo", "30"), ("mpi", "30"), ("gloo", "0")])  # (30: quicker)
 def test_trial_over_blocks_refuses_a_backend_that_slows_the_work_around_it(costly, block_ms):
     """gloo wins per call, but calls on ``costly`` slow what the job does after
     them: the trial keeps mpi when gloo is costly, gloo otherwise; with no
@@ -98,7 +98,7 @@ def test_settings_are_checked_before_anything_starts(monkeypatch):
         Autotuner.settings(None)
     monkeypatch.setenv("MCRDL_AUTOTUNE_CALLS", "5")
     monkeypatch.setenv("MCRDL_AUTOTUNE_SAVE", "/tmp/x.json")
-    assert Autotuner.settings(None) == {"calls": 5, "save": "/tmp/x.json", "drift": 0, "block_ms": 30.0}
+    assert Autotuner.settings(None) == {"calls": 5, "save": "/tmp/x.json", "drift": 0, "block_ms": 100.0}
     for bad in ("-1", "x", "inf", "nan"):
         monkeypatch.setenv("MCRDL_AUTOTUNE_BLOCK_MS", bad)
         with pytest.raises(ValueError, match="MCRDL_AUTOTUNE_BLOCK_MS: expected milliseconds >= 0"):
@@ -216,3 +216,60 @@ def test_drift_check_needs_slow_windows_in_a_row_against_the_lowest_median():
     window(120)  # the second slow window in a row against 50 us
     assert b.winner is None and b.candidates[0] == "mpi" and Group.starters == {}
     assert b.reopened[0]["base_us"] == 50.0 and b.reopened[0]["now_us"] == 120.0
+
+
+def test_trial_runs_blocks_in_order_one_bucket_per_group_at_a_time(monkeypatch):
+    """Exploration picks gloo per call for two buckets; their trials run one
+    after the other (S C C S S C blocks of the agreed size), and each verdict
+    follows the blocks' times: gloo's blocks longer in total → refused."""
+    import types
+
+    import mcrdl.autotune as at
+
+    clock = [0.0]
+    monkeypatch.setattr(at, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Sel(_Sel):
+        device_defaults = {}
+        live = {"mpi": types.SimpleNamespace(devices=("cpu",)), "gloo": types.SimpleNamespace(devices=("cpu",))}
+
+    class OneMember:
+        def control_max(self, g, value):
+            return value
+
+    class Group:
+        name, size, tuned, trying, starters = "world", 2, {}, None, {}
+
+    tuner = Autotuner(Sel(), block_ms=11)  # 3 ms between all_reduce calls while exploring: blocks of 4
+    rt, g = OneMember(), Group()
+    cost = {"all_reduce": {"mpi": 1e-3, "gloo": 1e-3}, "broadcast": {"mpi": 1e-3, "gloo": 1e-3}}
+    ran = {"all_reduce": [], "broadcast": []}
+
+    def call(op):
+        name, timed = tuner.pick(rt, g, op, 64, "cpu", lambda n: True)
+        ran[op].append(name)
+        if timed is not None:
+            tuner.record(timed, name, 1e-6 if name == "gloo" else 1e-5)  # gloo faster per call
+        clock[0] += cost[op][name]  # the job's time after this call (its own work included)
+
+    cost["all_reduce"]["gloo"] = 3e-3  # all_reduce on gloo slows the job; broadcast on gloo does not
+    for _ in range(9):  # explore both buckets: 2 backends x (1 + 3) rounds, then the agreement
+        call("all_reduce")
+        call("broadcast")
+    ar, bc = g.tuned[("all_reduce", "cpu", bucket(64))], g.tuned[("broadcast", "cpu", bucket(64))]
+    assert (ar.trial, ar.block, ar.trial_from) == ("gloo", 4, 9) and g.trying is ar
+    assert (bc.trial, bc.trial_from) == ("gloo", None) and "waits" in tuner.describe(g, "broadcast", 64)
+    order = ["mpi"] * 4 + ["gloo"] * 8 + ["mpi"] * 4 + ["gloo"] * 4 + ["mpi"] * 8 + ["gloo"] * 4
+    for _ in range(8 * 4):
+        call("all_reduce")
+        call("broadcast")
+    assert ran["all_reduce"][9:] == order
+    assert ran["broadcast"][9:] == ["mpi"] * 32  # waited on its seed
+    call("all_reduce")  # the verdict: gloo's blocks took longer
+    assert ar.winner == "mpi" and ar.blocks["refused"] and ran["all_reduce"][-1] == "mpi" and g.trying is None
+    assert ar.blocks["ms"] == {"mpi": [8.0] * 4, "gloo": [16.0] * 4}  # 4 calls x (1 + 1) ms, (3 + 1) ms
+    for _ in range(8 * 4 + 1):  # the broadcast's trial begins at its next call
+        call("broadcast")
+    assert ran["broadcast"][41:73] == order
+    assert bc.winner == "gloo" and not bc.blocks["refused"] and bc.trial is None
+    assert "no longer" in bc.how and "took longer" in ar.how

@@ -238,8 +238,10 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
 def autotune_report() -> Optional[dict]:
     """What in-situ autotune tried, measured and chose on this rank (None when
     it is off): ``buckets`` (one row per group, op class and size bucket; a
-    ``winner`` of None is still exploring) and ``exploration_excess_s`` (this
-    rank's timed calls on losing backends, beyond the winner's median)."""
+    ``winner`` of None is still exploring or on trial) and
+    ``exploration_excess_s`` (this rank's timed calls on losing backends,
+    beyond the winner's median, and a trial's blocks on the loser beyond the
+    winner's)."""
     tuner = _rt().autotune
     if tuner is None:
         return None

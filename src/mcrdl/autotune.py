@@ -41,7 +41,7 @@ median is at least :data:`DRIFT_FACTOR` times the baseline, on any member,
 open the bucket again: it is explored as before, with the winner as seed,
 from the next call. Barriers are not watched.
 
-Trial over blocks (``block_ms``, ``MCRDL_AUTOTUNE_BLOCK_MS``; 30 by default, 0:
+Trial over blocks (``block_ms``, ``MCRDL_AUTOTUNE_BLOCK_MS``; 100 by default, 0:
 off): a challenger that wins per call still has to show it costs the job no
 more than the seed does. A call's time cannot show what a backend costs the
 work around it (under load, a gloo all-gather measured faster than MPI's while
@@ -52,8 +52,10 @@ job (the members agree on that count, the largest proposed, with the winner),
 and each block is timed from its first call to the next block's first call:
 the job's own work between the calls included. The call after the last block
 decides, again at a call every member reaches: the challenger is refused, and
-the seed kept, if its blocks were slower than the seed's in every pair on every
-member.
+the seed kept, if its blocks took longer in total than the seed's on every
+member. One bucket of a group is on trial at a time (trials at once would time
+each other's blocks); another winner runs on its seed until the group's trial
+ends, which every member sees at the same call of the group.
 """
 from __future__ import annotations
 
@@ -81,11 +83,11 @@ DRIFT_SAMPLE = 16
 #: Slow windows in a row (on one member) that open a bucket again: one slow
 #: window is often one descheduled rank or a call that took the general path.
 DRIFT_WINDOWS = 2
-#: The trial's blocks: seed (0) and challenger (1), three pairs ordered ABBA so
-#: that a steady change of load favours neither.
-TRIAL_ORDER = (0, 1, 1, 0, 0, 1)
-#: Calls per trial block at most (a bucket called back to back needs no more).
-TRIAL_MAX_CALLS = 64
+#: The trial's blocks: seed (0) and challenger (1) in the Thue-Morse order, so
+#: that a steady (linear or quadratic) change of load adds the same to both totals.
+TRIAL_ORDER = (0, 1, 1, 0, 1, 0, 0, 1)
+#: Calls per trial block at most.
+TRIAL_MAX_CALLS = 1024
 
 
 def bucket(nbytes: int) -> int:
@@ -125,7 +127,7 @@ class Bucket:
         self.first = 0.0  # when the first exploring call started (perf_counter)
         self.trial: Optional[str] = None  # the challenger on trial over blocks of calls
         self.block = 0  # calls per trial block (agreed)
-        self.trial_from = 0  # the bucket's call count when the trial began
+        self.trial_from: Optional[int] = None  # the bucket's call count when its trial began
         self.stamps: list[float] = []  # when each trial block's first call started
         self.blocks: Optional[dict] = None  # the trial's outcome on this rank (report)
 
@@ -134,8 +136,8 @@ class Autotuner:
     """Per-group exploration state; consulted by the API for every collective."""
 
     def __init__(self, selector, calls: int = 3, warmup: int = 1, margin: float = 0.05,
-                 save: Optional[str] = None, drift: int = 0, block_ms: float = 30.0):
-        if calls < 1 or warmup < 0 or drift < 0 or drift == 1 or not block_ms >= 0:
+                 save: Optional[str] = None, drift: int = 0, block_ms: float = 100.0):
+        if calls < 1 or warmup < 0 or drift < 0 or drift == 1 or not 0 <= block_ms < math.inf:
             raise ValueError(f"autotune: calls must be >= 1, warm-up >= 0, drift 0 (off) or >= 2 and the "
                              f"trial's block >= 0 ms, got {calls}, {warmup}, {drift}, {block_ms}")
         self.selector = selector
@@ -165,7 +167,7 @@ class Autotuner:
         if not drift.isdigit() or 0 < int(drift) < 2:
             raise ValueError(f"MCRDL_AUTOTUNE_DRIFT: expected 0 (off) or a window of at least 2 calls, "
                              f"got {drift!r}")
-        block = os.environ.get("MCRDL_AUTOTUNE_BLOCK_MS", "30")
+        block = os.environ.get("MCRDL_AUTOTUNE_BLOCK_MS", "100")
         try:
             block_ms = float(block)
         except ValueError:
@@ -300,7 +302,7 @@ class Autotuner:
             b.base = now if b.base is None else min(b.base, now)
         if not rt.control_max(g, int(b.slow >= DRIFT_WINDOWS)):
             return
-        reopened = {"call": b.since, "winner": b.winner, "agreed_us": b.agreed,
+        reopened = {"call": b.since, "winner": b.winner, "agreed_us": b.agreed, "trial": b.blocks,
                     "base_us": None if b.base is None else round(b.base * 1e6, 1),
                     "now_us": None if now is None else round(now * 1e6, 1)}
         b._explore((b.winner, *(c for c in b.candidates if c != b.winner)))
@@ -332,7 +334,7 @@ class Autotuner:
         medians = [-int(statistics.median(b.times[c].values()) * 1e9) if b.times[c] else -UNMEASURED
                    for c in b.candidates]
         verdicts = [-int(self._beats_every_round(b, c)) for c in b.candidates]
-        every = (time.perf_counter() - b.first) / (b.calls - 1)  # this rank's time per call of the bucket
+        every = max(1e-9, (time.perf_counter() - b.first) / (b.calls - 1))  # this rank's time per call
         block = min(TRIAL_MAX_CALLS, max(1, math.ceil(self.block_ms / 1e3 / every))) if self.block_ms else 0
         both = rt.control_max(g, medians + verdicts + [block])  # (medians, verdicts negated: minimum)
         group = [-t for t in both[:n]]
@@ -347,8 +349,10 @@ class Autotuner:
             ok = [(t, c) for t, c, clear in zip(group, b.candidates, clear_everywhere)
                   if c != seed and clear and t < group[0] * (1 - self.margin)]
             if ok and both[-1]:
-                b.trial, b.block, b.trial_from = min(ok)[1], both[-1], b.calls
-                b.how = f"{min(ok)[1]} measured fastest per call: on trial in blocks of {b.block} calls"
+                b.trial, b.block = min(ok)[1], both[-1]
+                b.how = f"{b.trial} measured fastest per call: on trial in blocks of {b.block} calls"
+                if g.trying is None:  # else it waits on the seed for the group's trial to end
+                    g.trying, b.trial_from = b, b.calls
                 return
             if ok:
                 b.winner, b.how = min(ok)[1], "measured fastest, in every round on every rank"
@@ -359,7 +363,13 @@ class Autotuner:
 
     def _trial_call(self, rt, g, b: Bucket) -> str:
         """The backend for this call of ``b`` on trial: its block's, or at the
-        call after the last block the group's verdict."""
+        call after the last block the group's verdict; the seed while another
+        bucket of the group is on trial (then this call may begin the trial)."""
+        if b.trial_from is None:
+            if g.trying is not None:
+                b.calls += 1
+                return b.candidates[0]
+            g.trying, b.trial_from = b, b.calls
         blk, at = divmod(b.calls - b.trial_from, b.block)
         b.calls += 1
         if not at:
@@ -371,33 +381,34 @@ class Autotuner:
 
     def _confirm(self, rt, g, b: Bucket) -> None:
         """Freeze ``b`` after its trial (a collective of ``g``): the seed stays
-        if the challenger's blocks took longer than the seed's in every pair on
-        every member; otherwise the challenger wins."""
+        if the challenger's blocks took longer in total than the seed's on every
+        member; otherwise the challenger wins."""
         seed, challenger = b.candidates[0], b.trial
         took: dict[str, list[float]] = {seed: [], challenger: []}
         for side, t0, t1 in zip(TRIAL_ORDER, b.stamps, b.stamps[1:]):
             took[challenger if side else seed].append(t1 - t0)
-        slower = all(c > s for s, c in zip(took[seed], took[challenger]))
+        slower = sum(took[challenger]) > sum(took[seed])
         refused = rt.control_max(g, -int(slower)) == -1  # negated: on every member
         b.blocks = {"calls": b.block, "ms": {n: [round(t * 1e3, 2) for t in ts] for n, ts in took.items()},
                     "refused": refused}
-        b.trial = None
+        b.trial, g.trying = None, None
         if refused:
             b.winner, b.how = seed, (f"kept the seed: {challenger} measured faster per call, but its blocks of "
                                      f"{b.block} calls (the job's work between them included) took longer than "
-                                     f"{seed}'s in every pair on every rank")
+                                     f"{seed}'s in total on every rank")
         else:
             b.winner, b.how = challenger, (f"measured fastest, in every round on every rank, and its blocks of "
-                                           f"{b.block} calls were not slower than {seed}'s in every pair")
+                                           f"{b.block} calls took no longer in total than {seed}'s")
         lost = sum(took[challenger if refused else seed]) - sum(took[b.winner])  # the loser's blocks
         self.excess_s += max(0.0, lost)
         self._tally(b)
 
     def _tally(self, b: Bucket) -> None:
         """Add this rank's timed calls on the losers of frozen ``b``, beyond the winner's median, to the cost."""
-        if b.times[b.winner]:
+        if b.times[b.winner]:  # (a refused challenger was faster per call: no cost there)
             best_s = statistics.median(b.times[b.winner].values())
-            self.excess_s += sum(t - best_s for c in b.candidates if c != b.winner for t in b.times[c].values())
+            self.excess_s += max(0.0, sum(t - best_s for c in b.candidates if c != b.winner
+                                          for t in b.times[c].values()))
 
     def _beats_every_round(self, b: Bucket, c: str) -> bool:
         """Was ``c`` faster than the seed in every round (at least 2) both were timed in here?"""
@@ -435,6 +446,8 @@ class Autotuner:
         b = g.tuned.get((cls, device, bucket(nbytes)))
         if b is None:
             return "autotune: not called yet (the next calls explore)"
+        if b.trial is not None and b.trial_from is None:
+            return f"autotune: {b.trial} waits on {b.candidates[0]} for another bucket's trial to end"
         if b.trial is not None:
             return (f"autotune: {b.trial} on trial against {b.candidates[0]} ({b.calls - b.trial_from} of "
                     f"{len(TRIAL_ORDER) * b.block} calls, in blocks of {b.block})")
@@ -465,7 +478,7 @@ class Autotuner:
                              "hosts": [socket.gethostname()],
                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                              "calls_per_backend": self.calls, "warmup_calls": self.warmup,
-                             "margin": self.margin, "drift_window": self.drift,
+                             "margin": self.margin, "drift_window": self.drift, "trial_block_ms": self.block_ms,
                              "exploration_excess_s": round(self.excess_s, 6),
                              "buckets": self.report()},
                 "rules": rules}

@@ -31,7 +31,7 @@ class Group:
     a torch process group behind one object)."""
 
     __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index",
-                 "starters", "tuned")
+                 "starters", "tuned", "trying")
 
     def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
                  owner: "Runtime"):
@@ -49,6 +49,7 @@ class Group:
         #: autotune's buckets of this group ((class, device, bucket) -> Bucket; mcrdl.autotune). Per
         #: object, not per name: torch reuses a destroyed group's name for another group.
         self.tuned: dict = {}
+        self.trying = None  # autotune's bucket on trial: one at a time per group
 
     def __repr__(self) -> str:
         return f"<mcrdl.Group {self.name} ranks={list(self.ranks)}>"

@@ -3,6 +3,7 @@
 Every result is checked against a local reference, during exploration and
 after; at the end every member of every group must hold the same winners."""
 import json
+import os
 import random
 import sys
 import time
@@ -15,6 +16,7 @@ from mcrdl import api
 from mcrdl.autotune import bucket, bucket_bounds
 
 case = sys.argv[1]
+os.environ.setdefault("MCRDL_AUTOTUNE_BLOCK_MS", "5")  # trials (a challenger won per call) end quickly
 mcrdl.init_process_group(timeout=30, autotune=True)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 tuner = api._runtime.autotune
