@@ -218,10 +218,12 @@ def test_drift_check_needs_slow_windows_in_a_row_against_the_lowest_median():
     assert b.reopened[0]["base_us"] == 50.0 and b.reopened[0]["now_us"] == 120.0
 
 
-def test_trial_runs_blocks_in_order_one_bucket_per_group_at_a_time(monkeypatch):
-    """Exploration picks gloo per call for two buckets; their trials run one
-    after the other (S C C S S C blocks of the agreed size), and each verdict
-    follows the blocks' times: gloo's blocks longer in total → refused."""
+def _trial_setup(monkeypatch, other_sees_no_harm=False):
+    """Two buckets of one group (all_reduce, broadcast of 64 B) on a fake
+    clock: gloo wins every timed call; each call advances the clock by its
+    ``cost[op][backend]``. Returns the tuner, group, ``call(op)``, the
+    backends each op ran on, and the costs. ``other_sees_no_harm``: the
+    agreement includes a second member whose trial found no harm."""
     import types
 
     import mcrdl.autotune as at
@@ -233,16 +235,21 @@ def test_trial_runs_blocks_in_order_one_bucket_per_group_at_a_time(monkeypatch):
         device_defaults = {}
         live = {"mpi": types.SimpleNamespace(devices=("cpu",)), "gloo": types.SimpleNamespace(devices=("cpu",))}
 
-    class OneMember:
+    class Members:
         def control_max(self, g, value):
-            return value
+            if isinstance(value, list):
+                return value
+            return max(value, 0) if other_sees_no_harm else value  # (the trial's verdict, negated)
 
     class Group:
-        name, size, tuned, trying, starters = "world", 2, {}, None, {}
+        name, size, trying, starters = "world", 2, None, {}
 
-    tuner = Autotuner(Sel(), block_ms=11)  # 3 ms between all_reduce calls while exploring: blocks of 4
-    rt, g = OneMember(), Group()
-    cost = {"all_reduce": {"mpi": 1e-3, "gloo": 1e-3}, "broadcast": {"mpi": 1e-3, "gloo": 1e-3}}
+        def __init__(self):
+            self.tuned = {}
+
+    tuner, rt, g = Autotuner(Sel(), block_ms=10), Members(), Group()
+    # all_reduce on gloo slows the job after it; broadcast on gloo is cheaper than on mpi
+    cost = {"all_reduce": {"mpi": 1e-3, "gloo": 3e-3}, "broadcast": {"mpi": 1e-3, "gloo": 0.5e-3}}
     ran = {"all_reduce": [], "broadcast": []}
 
     def call(op):
@@ -252,24 +259,64 @@ def test_trial_runs_blocks_in_order_one_bucket_per_group_at_a_time(monkeypatch):
             tuner.record(timed, name, 1e-6 if name == "gloo" else 1e-5)  # gloo faster per call
         clock[0] += cost[op][name]  # the job's time after this call (its own work included)
 
-    cost["all_reduce"]["gloo"] = 3e-3  # all_reduce on gloo slows the job; broadcast on gloo does not
-    for _ in range(9):  # explore both buckets: 2 backends x (1 + 3) rounds, then the agreement
+    for _ in range(9):  # explore both: 2 backends x (1 + 3) rounds, then the agreement
         call("all_reduce")
         call("broadcast")
+    return tuner, g, call, ran
+
+
+#: A trial's backends in order, blocks of 4 calls (S C C S C S S C)
+TRIAL_RAN = ["mpi"] * 4 + ["gloo"] * 8 + ["mpi"] * 4 + ["gloo"] * 4 + ["mpi"] * 8 + ["gloo"] * 4
+
+
+def test_trial_runs_blocks_in_order_one_bucket_per_group_at_a_time(monkeypatch):
+    """Exploration picks gloo per call for two buckets; their trials run one
+    after the other (blocks of the agreed size in the order S C C S C S S C),
+    and each verdict follows the blocks' times: all_reduce's gloo blocks longer
+    in total → refused; broadcast's shorter → kept."""
+    tuner, g, call, ran = _trial_setup(monkeypatch)
     ar, bc = g.tuned[("all_reduce", "cpu", bucket(64))], g.tuned[("broadcast", "cpu", bucket(64))]
+    # pace while exploring: 2.75 ms between calls of each bucket, so blocks of ceil(10 / 2.75) = 4
     assert (ar.trial, ar.block, ar.trial_from) == ("gloo", 4, 9) and g.trying is ar
     assert (bc.trial, bc.trial_from) == ("gloo", None) and "waits" in tuner.describe(g, "broadcast", 64)
-    order = ["mpi"] * 4 + ["gloo"] * 8 + ["mpi"] * 4 + ["gloo"] * 4 + ["mpi"] * 8 + ["gloo"] * 4
     for _ in range(8 * 4):
         call("all_reduce")
         call("broadcast")
-    assert ran["all_reduce"][9:] == order
+    assert ran["all_reduce"][9:] == TRIAL_RAN
     assert ran["broadcast"][9:] == ["mpi"] * 32  # waited on its seed
     call("all_reduce")  # the verdict: gloo's blocks took longer
     assert ar.winner == "mpi" and ar.blocks["refused"] and ran["all_reduce"][-1] == "mpi" and g.trying is None
     assert ar.blocks["ms"] == {"mpi": [8.0] * 4, "gloo": [16.0] * 4}  # 4 calls x (1 + 1) ms, (3 + 1) ms
     for _ in range(8 * 4 + 1):  # the broadcast's trial begins at its next call
         call("broadcast")
-    assert ran["broadcast"][41:73] == order
+    assert ran["broadcast"][41:73] == TRIAL_RAN
     assert bc.winner == "gloo" and not bc.blocks["refused"] and bc.trial is None
+    assert bc.blocks["ms"] == {"mpi": [4.0] * 4, "gloo": [2.0] * 4}
     assert "no longer" in bc.how and "took longer" in ar.how
+
+
+def test_trial_is_refused_only_if_slower_on_every_member(monkeypatch):
+    tuner, g, call, ran = _trial_setup(monkeypatch, other_sees_no_harm=True)
+    ar = g.tuned[("all_reduce", "cpu", bucket(64))]
+    for _ in range(8 * 4 + 1):
+        call("all_reduce")
+        call("broadcast")
+    assert ar.winner == "gloo" and not ar.blocks["refused"], ar.how  # slower here only
+
+
+def test_a_stalled_trial_is_abandoned_for_the_next_one(monkeypatch):
+    """The bucket on trial is not called again: after a whole trial's worth of
+    the waiting bucket's calls (8 blocks x 4), it keeps its seed and the
+    waiting bucket's trial begins."""
+    tuner, g, call, ran = _trial_setup(monkeypatch)
+    ar, bc = g.tuned[("all_reduce", "cpu", bucket(64))], g.tuned[("broadcast", "cpu", bucket(64))]
+    call("all_reduce")  # ar's trial makes one call, then none
+    for _ in range(32):
+        call("broadcast")
+    assert g.trying is ar and ran["broadcast"][9:] == ["mpi"] * 32
+    call("broadcast")  # the 33rd: 32 calls since ar's count last moved
+    assert g.trying is bc and bc.trial_from == 41
+    assert ar.winner == "mpi" and ar.blocks["stalled_after"] == 1 and "stalled" in ar.how
+    for _ in range(8 * 4):
+        call("broadcast")
+    assert ran["broadcast"][41:73] == TRIAL_RAN and bc.winner == "gloo"

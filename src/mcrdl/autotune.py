@@ -104,7 +104,7 @@ class Bucket:
     """One (op class, size bucket) of one group: its schedule and its outcome."""
 
     __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how", "since", "window", "base",
-                 "slow", "reopened", "first", "trial", "block", "trial_from", "stamps", "blocks")
+                 "slow", "reopened", "first", "trial", "block", "trial_from", "stamps", "blocks", "waited")
 
     def __init__(self, candidates: tuple[str, ...]):
         self.reopened: list[dict] = []  # drift checks that opened the bucket again
@@ -130,6 +130,7 @@ class Bucket:
         self.trial_from: Optional[int] = None  # the bucket's call count when its trial began
         self.stamps: list[float] = []  # when each trial block's first call started
         self.blocks: Optional[dict] = None  # the trial's outcome on this rank (report)
+        self.waited: Optional[tuple] = None  # (bucket on trial, its calls, ours) when its count last moved
 
 
 class Autotuner:
@@ -364,12 +365,21 @@ class Autotuner:
     def _trial_call(self, rt, g, b: Bucket) -> str:
         """The backend for this call of ``b`` on trial: its block's, or at the
         call after the last block the group's verdict; the seed while another
-        bucket of the group is on trial (then this call may begin the trial)."""
+        bucket of the group is on trial (then this call may begin the trial).
+        A trial that made no call during a whole trial's worth of this
+        bucket's calls is abandoned (its bucket keeps its seed): the job
+        stopped calling it. Every input is a call count, the same on every member."""
         if b.trial_from is None:
+            owner = g.trying
+            if owner is not None:
+                if b.waited is None or b.waited[0] is not owner or b.waited[1] != owner.calls:
+                    b.waited = (owner, owner.calls, b.calls)
+                elif b.calls - b.waited[2] >= len(TRIAL_ORDER) * b.block:
+                    self._abandon(g, owner)
             if g.trying is not None:
                 b.calls += 1
                 return b.candidates[0]
-            g.trying, b.trial_from = b, b.calls
+            g.trying, b.trial_from, b.waited = b, b.calls, None
         blk, at = divmod(b.calls - b.trial_from, b.block)
         b.calls += 1
         if not at:
@@ -401,6 +411,15 @@ class Autotuner:
                                            f"{b.block} calls took no longer in total than {seed}'s")
         lost = sum(took[challenger if refused else seed]) - sum(took[b.winner])  # the loser's blocks
         self.excess_s += max(0.0, lost)
+        self._tally(b)
+
+    def _abandon(self, g, b: Bucket) -> None:
+        """Freeze ``b``, whose trial stalled, on its seed, and free the group's trial."""
+        done = b.calls - b.trial_from
+        b.blocks = {"calls": b.block, "ms": None, "refused": True, "stalled_after": done}
+        b.winner, b.how = b.candidates[0], (f"kept the seed: {b.trial}'s trial stalled after {done} of "
+                                            f"{len(TRIAL_ORDER) * b.block} calls (the job stopped calling it)")
+        b.trial, g.trying = None, None
         self._tally(b)
 
     def _tally(self, b: Bucket) -> None:
