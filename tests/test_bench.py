@@ -511,6 +511,21 @@ def test_autotune_benchmark_records_both_conditions(tmp_path):
             assert all(b["winner"] in ("mpi", "gloo") for b in r["buckets_learned"] if b["op"] != "barrier"), r
 
 
+# -- benchmarks/autotune_trial.py ------------------------------------------------------------
+def test_autotune_trial_benchmark_records_both_settings(tmp_path):
+    """megatron-sp under load, trial off and on: every round's ratio to
+    baseline-mpi, what gloo won and the trials, per setting."""
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "autotune_trial.py", "--runs", "1", "--rounds", "1",
+                           "--steps", "1", "--warmup", "3", "--out", tmp_path / "trial", "--tmp", tmp_path / "runs"],
+                          capture_output=True, text=True, timeout=600)
+    ok(proc)
+    doc = json.loads((tmp_path / "trial.json").read_text())
+    assert set(doc["summary"]) == set(doc["rounds"]) == {"trial off", "trial on"}
+    for name, rounds in doc["rounds"].items():
+        assert len(rounds) == 1 and rounds[0]["vs_mpi"] > 0 and rounds[0]["auto_step_ms"] > 0, rounds
+        assert name == "trial on" or rounds[0]["trials"] == [], rounds  # off: no trial ever
+
+
 # -- benchmarks/drift.py ---------------------------------------------------------------------
 def test_drift_benchmark_records_every_job(tmp_path):
     """Idle and loaded jobs, drift check off and on: every job finishes with
