@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import multiprocessing
 import os
 import platform
 import time
@@ -20,6 +21,20 @@ def environment(**versions: str) -> dict:
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "hostname": platform.node(), "cpus": os.cpu_count(),
             "loadavg_at_end": os.getloadavg()}
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def busy(n: int = 1) -> list[multiprocessing.Process]:
+    """Start ``n`` busy-looping processes (the "cores kept busy" load); the
+    caller terminates them (they are daemons: they also end with it)."""
+    hogs = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(n)]
+    for h in hogs:
+        h.start()
+    return hogs
 
 
 def write_json(path: str, doc: dict, console) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import subprocess
 import sys
@@ -25,15 +24,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from _record import environment, write_json
+from _record import busy, environment, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = "baseline-gloo,baseline-mpi,tuned,autotuned"
-
-
-def _busy() -> None:
-    while True:
-        pass
 
 
 def demo(args, out: str, table=None) -> None:
@@ -89,8 +83,7 @@ def main() -> int:
     console = Console(width=150)
     idle, loaded = (os.path.join(args.runs, c) for c in ("idle", "loaded"))
     demo(args, idle)
-    hog = multiprocessing.Process(target=_busy, daemon=True)
-    hog.start()
+    hog, = busy()
     try:
         demo(args, loaded, table=os.path.join(idle, "table.json"))
     finally:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -26,15 +25,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from _record import environment, write_json
+from _record import busy, environment, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = {"trial off": "0", "trial on": "100"}
-
-
-def _busy() -> None:
-    while True:
-        pass
 
 
 def workload(args, block_ms: str, path: str) -> dict:
@@ -80,8 +74,7 @@ def main() -> int:
     console = Console(width=150)
     os.makedirs(args.tmp, exist_ok=True)
     results: dict[str, list[dict]] = {name: [] for name in SETTINGS}
-    hog = multiprocessing.Process(target=_busy, daemon=True)
-    hog.start()
+    hog, = busy()
     try:
         for run in range(args.runs):
             order = list(SETTINGS) if run % 2 == 0 else list(SETTINGS)[::-1]

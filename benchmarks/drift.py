@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import statistics
 import subprocess
@@ -32,12 +31,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from _record import environment, write_json
-
-
-def _busy() -> None:
-    while True:
-        pass
+from _record import busy, environment, write_json
 
 
 def job(args) -> None:
@@ -59,8 +53,7 @@ def job(args) -> None:
     steps, events, seen = [], [], {}
     for step in range(args.steps):
         if step == load_at and rank == 0:
-            hog = multiprocessing.Process(target=_busy, daemon=True)
-            hog.start()
+            hog, = busy()
         began = time.perf_counter()
         for _ in range(4):
             a = torch.tanh(a @ w) * 0.5

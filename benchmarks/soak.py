@@ -15,7 +15,6 @@ running meanwhile (a loaded machine). Writes OUT.json and OUT.md.
 """
 import argparse
 import itertools
-import multiprocessing
 import os
 import re
 import signal
@@ -30,17 +29,12 @@ from rich.progress import Progress
 from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _record import environment, write_json  # noqa: E402
+from _record import busy, environment, write_json  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "benchmarks", "soak_job.py")
 ENDINGS = {"destroy": 0, "atexit": 0, "exception": 1, "sigterm": 128 + signal.SIGTERM}
 ABORT = re.compile(r"terminate called|core dumped|signal 6|SIGABRT|Aborted")
-
-
-def _busy() -> None:
-    while True:
-        pass
 
 
 def _rank_pids(marker: str) -> list[int]:
@@ -86,9 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     console = Console()
     cases = itertools.cycle(itertools.product(args.routes, args.ranks, ENDINGS, (False, True)))
-    hogs = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(args.load)]
-    for h in hogs:
-        h.start()
+    hogs = busy(args.load)
     results = []
     uptime_before = open("/proc/loadavg").read().split()[:3]
     try:
