@@ -66,7 +66,9 @@ def summarise(out: str) -> list[dict]:
             "differs_from_table": sorted(f"{op} {nbytes} B: table {tuned[k]}, autotune {learned[k]}"
                                          for k in tuned if k in learned and tuned[k] != learned[k]
                                          for op, nbytes in [k]),
-            "buckets_learned": autotuned[0][0]["buckets"]})
+            "buckets_learned": autotuned[0][0]["buckets"],
+            "trials": [{"run": i, "bucket": f"{b['op']} {b['min_bytes']}-{b['max_bytes']} B", **b["trial"]}
+                       for i, ranks in enumerate(autotuned) for b in ranks[0]["buckets"] if b.get("trial")]})
     return rows
 
 
@@ -94,7 +96,7 @@ def main() -> int:
     t = Table(title=f"autotuned vs tuned (idle machine's table) vs best single backend: 2 ranks, "
                     f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up steps")
     for col in ("condition", "workload", "tuned", "autotuned", "best single", "auto/tuned", "auto/best",
-                "explore ms", "still exploring", "autotune differs from the table"):
+                "explore ms", "still exploring", "trials (refused)", "autotune differs from the table"):
         t.add_column(col, justify="left" if col in ("condition", "workload", "autotune differs from the table")
                      else "right")
     for cond, rows in doc["conditions"].items():
@@ -102,7 +104,9 @@ def main() -> int:
             t.add_row(cond, r["workload"], f"{r['tuned']:.1f}", f"{r['autotuned']:.1f}",
                       f"{r['best_single_sps']:.1f} ({r['best_single'][9:]})", f"{r['autotuned_vs_tuned']:.3f}",
                       f"{r['autotuned_vs_best']:.3f}", f"{r['exploration_excess_ms']:.1f}",
-                      str(r["exploring_after_warmup"]), "; ".join(r["differs_from_table"]) or "-")
+                      str(r["exploring_after_warmup"]),
+                      f"{len(r['trials'])} ({sum(tr['refused'] for tr in r['trials'])})",
+                      "; ".join(r["differs_from_table"]) or "-")
         t.add_section()
     console.print(t)
     write_json(args.out + ".json", doc, console)

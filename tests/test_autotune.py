@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import run_job
-from mcrdl.autotune import Autotuner, Bucket, bucket, bucket_bounds
+from mcrdl.autotune import Autotuner, Bucket, bucket, bucket_bounds, repeat
 from mcrdl.backends import REGISTRY
 from mcrdl.tuning import TuningTable
 
@@ -218,12 +218,10 @@ def test_drift_check_needs_slow_windows_in_a_row_against_the_lowest_median():
     assert b.reopened[0]["base_us"] == 50.0 and b.reopened[0]["now_us"] == 120.0
 
 
-def _trial_setup(monkeypatch, other_sees_no_harm=False):
-    """Two buckets of one group (all_reduce, broadcast of 64 B) on a fake
-    clock: gloo wins every timed call; each call advances the clock by its
-    ``cost[op][backend]``. Returns the tuner, group, ``call(op)``, the
-    backends each op ran on, and the costs. ``other_sees_no_harm``: the
-    agreement includes a second member whose trial found no harm."""
+def _fake_group(monkeypatch, block_ms=10, other_sees_no_harm=False):
+    """A tuner (mpi and gloo live), one group of 2 and a fake clock
+    (``clock[0]``, seconds). ``other_sees_no_harm``: the agreement includes a
+    second member whose trial found no harm."""
     import types
 
     import mcrdl.autotune as at
@@ -242,12 +240,20 @@ def _trial_setup(monkeypatch, other_sees_no_harm=False):
             return max(value, 0) if other_sees_no_harm else value  # (the trial's verdict, negated)
 
     class Group:
-        name, size, trying, starters = "world", 2, None, {}
+        name, size = "world", 2
 
         def __init__(self):
-            self.tuned = {}
+            self.tuned, self.starters, self.trying, self.tuned_calls = {}, {}, None, 0
 
-    tuner, rt, g = Autotuner(Sel(), block_ms=10), Members(), Group()
+    return Autotuner(Sel(), block_ms=block_ms), Members(), Group(), clock
+
+
+def _trial_setup(monkeypatch, other_sees_no_harm=False):
+    """Two buckets of one group (all_reduce, broadcast of 64 B) on a fake
+    clock: gloo wins every timed call; each call advances the clock by its
+    ``cost[op][backend]``. Returns the tuner, group, ``call(op)`` and the
+    backends each op ran on."""
+    tuner, rt, g, clock = _fake_group(monkeypatch, 10, other_sees_no_harm)
     # all_reduce on gloo slows the job after it; broadcast on gloo is cheaper than on mpi
     cost = {"all_reduce": {"mpi": 1e-3, "gloo": 3e-3}, "broadcast": {"mpi": 1e-3, "gloo": 0.5e-3}}
     ran = {"all_reduce": [], "broadcast": []}
@@ -320,3 +326,45 @@ def test_a_stalled_trial_is_abandoned_for_the_next_one(monkeypatch):
     for _ in range(8 * 4):
         call("broadcast")
     assert ran["broadcast"][41:73] == TRIAL_RAN and bc.winner == "gloo"
+
+
+def test_trial_judges_per_period_of_the_jobs_calls_where_blocks_cut_steps_unevenly(monkeypatch):
+    """A step: all_reduce, 10 ms of compute, all_reduce, all_reduce,
+    broadcast. gloo wins all_reduce per call but costs 1 ms more per call
+    than mpi. Blocks of 4 calls cut steps of 3 so that mpi's blocks hold the
+    compute 7 times and gloo's 4: in total gloo's blocks are shorter, yet per
+    step (the group's calls repeat every 3 all-reduces) gloo is 3 ms slower:
+    refused. While the trial runs no fast-path plan is made for the group."""
+    tuner, rt, g, clock = _fake_group(monkeypatch, block_ms=20)
+    cost = {"mpi": 1e-3, "gloo": 2e-3}
+
+    def call(op, after=0.0):
+        name, timed = tuner.pick(rt, g, op, 64, "cpu", lambda n: True)
+        if timed is not None:  # gloo faster per call for all_reduce, slower for broadcast
+            tuner.record(timed, name, 1e-6 if (name == "gloo") == (op == "all_reduce") else 1e-5)
+        clock[0] += (cost[name] if op == "all_reduce" else 1e-3) + after
+
+    ar = None
+    for step in range(20):
+        call("all_reduce", after=10e-3)
+        call("all_reduce")
+        call("all_reduce")
+        call("broadcast")
+        ar = g.tuned[("all_reduce", "cpu", bucket(64))]
+        if step == 3:  # all_reduce agreed at its 9th call: on trial; broadcast still exploring
+            assert (ar.trial, ar.block, g.trying) == ("gloo", 4, ar)
+        if step == 10:  # broadcast frozen (mpi), but planned on the general path during the trial
+            assert tuner.frozen(g, "broadcast", 64, "cpu", "mpi") is None
+            assert tuner.frozen(g, "broadcast", 64, "cpu", "gloo", plan=False) == "mpi"  # (explain's)
+    assert ar.winner == "mpi" and ar.blocks["refused"] and g.trying is None, ar.blocks
+    assert tuner.frozen(g, "broadcast", 64, "cpu", "mpi") == "mpi"
+    assert ar.blocks["period"] == 3 and ar.blocks["per_period_ms"] == {"mpi": 14.0, "gloo": 17.0}, ar.blocks
+    assert sum(ar.blocks["ms"]["gloo"]) < sum(ar.blocks["ms"]["mpi"]), ar.blocks  # the totals would keep gloo
+    assert "per period of the job's calls (3 calls" in ar.how
+
+
+def test_repeat_finds_the_shortest_period_seen_twice():
+    assert repeat([1, 1, 2, 1, 1, 2, 1]) == 3
+    assert repeat([2] * 9) == 1
+    assert repeat([1, 2, 3, 1, 2]) is None  # (seen once)
+    assert repeat([1, 2, 1, 2, 1, 3]) is None and repeat([]) is None

@@ -227,7 +227,7 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
     tuner = rt.autotune
     if tuner is not None and tuner.explores(op, backend) and group_size in (None, g.size):
         learned = tuner.describe(g, op, nbytes, device)
-        won = tuner.frozen(g, op, nbytes, device, name)
+        won = tuner.frozen(g, op, nbytes, device, name, plan=False)
         if won is not None and rt.selector.why_not(won, op, device, dtype) is None:
             name, why = won, learned
         else:

@@ -49,13 +49,19 @@ the steps around it took twice as long: docs/results/autotune.md), so the
 bucket's next calls run in blocks, seed and challenger in the order
 :data:`TRIAL_ORDER`, each block enough calls to span about ``block_ms`` of the
 job (the members agree on that count, the largest proposed, with the winner),
-and each block is timed from its first call to the next block's first call:
-the job's own work between the calls included. The call after the last block
-decides, again at a call every member reaches: the challenger is refused, and
-the seed kept, if its blocks took longer in total than the seed's on every
-member. One bucket of a group is on trial at a time (trials at once would time
-each other's blocks); another winner runs on its seed until the group's trial
-ends, which every member sees at the same call of the group.
+and each call is timed to the next: the job's own work between the calls
+included. The call after the last block decides, again at a call every member
+reaches: the challenger is refused, and the seed kept, if it took longer than
+the seed on every member. Longer per period of the job's calls: while a trial
+runs, the group's autotuned calls all take the general path, which counts
+them, so each trial call has its place in the group's sequence of calls; when
+the places repeat (a training step's calls), each side's time per period is
+the sum of its mean time after each place of a period (blocks rarely hold whole
+steps: the block that holds a step's slow part twice would count against its
+backend). Otherwise, longer over its blocks in total. One bucket of a group is
+on trial at a time (trials at once would time each other's blocks); another
+winner runs on its seed until the group's trial ends, which every member sees
+at the same call of the group.
 """
 from __future__ import annotations
 
@@ -100,11 +106,43 @@ def bucket_bounds(b: int) -> tuple[int, int]:
     return (0, 0) if b == 0 else (1 << (b - 1), (1 << b) - 1)
 
 
+def repeat(steps: list[int]) -> Optional[int]:
+    """The smallest ``p`` with ``steps[i] == steps[i + p]`` for every ``i``,
+    if the sequence repeats at least twice (``2 p <= len(steps)``), else None
+    (the prefix function of Knuth, Morris and Pratt: ``p`` is the length less
+    the longest proper prefix that is also a suffix)."""
+    n, border, k = len(steps), [0] * len(steps), 0
+    for i in range(1, n):
+        while k and steps[i] != steps[k]:
+            k = border[k - 1]
+        k += steps[i] == steps[k]
+        border[i] = k
+    return n - border[-1] if n and 2 * (n - border[-1]) <= n else None
+
+
+def per_period(gaps: list[float], sides: list[int], period: int) -> Optional[tuple[float, float]]:
+    """Seed's (side 0) and challenger's time per period of the job's calls:
+    over the period's places, the sum of the mean time from a call at that
+    place to the next on that side. None if a place has no call on a side.
+    Blocks of a trial rarely hold whole periods, and the Thue-Morse order does
+    not even out where they cut one (8 blocks of 5 calls, 8 calls a step: one
+    side holds three more calls of two places than the other, a step's slow
+    part maybe); the means per place do."""
+    sums, counts = [[0.0] * period, [0.0] * period], [[0] * period, [0] * period]
+    for i, (gap, side) in enumerate(zip(gaps, sides)):
+        sums[side][i % period] += gap
+        counts[side][i % period] += 1
+    if not all(all(c) for c in counts):
+        return None
+    seed, challenger = (sum(s / c for s, c in zip(sums[k], counts[k])) for k in (0, 1))
+    return seed, challenger
+
+
 class Bucket:
     """One (op class, size bucket) of one group: its schedule and its outcome."""
 
     __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how", "since", "window", "base",
-                 "slow", "reopened", "first", "trial", "block", "trial_from", "stamps", "blocks", "waited")
+                 "slow", "reopened", "first", "trial", "block", "trial_from", "marks", "blocks", "waited")
 
     def __init__(self, candidates: tuple[str, ...]):
         self.reopened: list[dict] = []  # drift checks that opened the bucket again
@@ -128,7 +166,7 @@ class Bucket:
         self.trial: Optional[str] = None  # the challenger on trial over blocks of calls
         self.block = 0  # calls per trial block (agreed)
         self.trial_from: Optional[int] = None  # the bucket's call count when its trial began
-        self.stamps: list[float] = []  # when each trial block's first call started
+        self.marks: list[tuple[int, float]] = []  # every trial call: (the group's call count, when it began)
         self.blocks: Optional[dict] = None  # the trial's outcome on this rank (report)
         self.waited: Optional[tuple] = None  # (bucket on trial, its calls, ours) when its count last moved
 
@@ -183,15 +221,17 @@ class Autotuner:
         cls = OP_CLASS[op]
         return explicit is None and cls in EXPLORED and cls not in self.selector.static
 
-    def frozen(self, g, op: str, nbytes: int, device: str, chosen: str) -> Optional[str]:
+    def frozen(self, g, op: str, nbytes: int, device: str, chosen: str, plan: bool = True) -> Optional[str]:
         """The backend for a fast-path plan: ``chosen`` (the selector's) when
-        autotune does not decide the op, the frozen winner, or None while the
-        bucket is unexplored or exploring (the general path runs the call)."""
+        autotune does not decide the op, the frozen winner, or None (the general
+        path runs the call) while the bucket is unexplored or exploring, or
+        while a bucket of the group is on trial (which counts the group's
+        calls; not ``plan``: the winner then too)."""
         cls = OP_CLASS[op]
         if cls not in EXPLORED or cls in self.selector.static:
             return chosen
         b = g.tuned.get((cls, device, bucket(nbytes)))
-        return None if b is None else b.winner
+        return None if b is None or plan and g.trying is not None else b.winner
 
     def pick(self, rt, g, op: str, nbytes: int, device: str, runnable) -> tuple[str, Optional[Bucket]]:
         """The backend for this call of ``op`` (None: the selector's, when the
@@ -199,6 +239,7 @@ class Autotuner:
         timed). ``runnable(name)``: can this backend run this call."""
         cls = OP_CLASS[op]
         key = (cls, device, bucket(nbytes))
+        g.tuned_calls += 1
         b = g.tuned.get(key)
         if b is None:
             if not g.tuned:
@@ -353,7 +394,7 @@ class Autotuner:
                 b.trial, b.block = min(ok)[1], both[-1]
                 b.how = f"{b.trial} measured fastest per call: on trial in blocks of {b.block} calls"
                 if g.trying is None:  # else it waits on the seed for the group's trial to end
-                    g.trying, b.trial_from = b, b.calls
+                    self._begin_trial(g, b)
                 return
             if ok:
                 b.winner, b.how = min(ok)[1], "measured fastest, in every round on every rank"
@@ -379,36 +420,54 @@ class Autotuner:
             if g.trying is not None:
                 b.calls += 1
                 return b.candidates[0]
-            g.trying, b.trial_from, b.waited = b, b.calls, None
-        blk, at = divmod(b.calls - b.trial_from, b.block)
+            self._begin_trial(g, b)
+        blk = (b.calls - b.trial_from) // b.block
         b.calls += 1
-        if not at:
-            b.stamps.append(time.perf_counter())
+        b.marks.append((g.tuned_calls, time.perf_counter()))
         if blk < len(TRIAL_ORDER):
             return b.trial if TRIAL_ORDER[blk] else b.candidates[0]
         self._confirm(rt, g, b)
         return b.winner
 
+    @staticmethod
+    def _begin_trial(g, b: Bucket) -> None:
+        """Put ``b`` on trial, from its call number ``b.calls``. Until the verdict every
+        autotuned collective of ``g`` takes the general path (the group's plans
+        are dropped and none is made), where :meth:`pick` counts it, so each
+        trial call knows its place in the group's sequence of calls."""
+        g.trying, b.trial_from, b.waited = b, b.calls, None
+        g.starters.clear()
+
     def _confirm(self, rt, g, b: Bucket) -> None:
         """Freeze ``b`` after its trial (a collective of ``g``): the seed stays
-        if the challenger's blocks took longer in total than the seed's on every
-        member; otherwise the challenger wins."""
-        seed, challenger = b.candidates[0], b.trial
+        if the challenger took longer on every member; otherwise the challenger
+        wins. Longer per period of the group's calls when they repeat
+        (:func:`per_period`: blocks need not hold whole steps), else over the
+        blocks in total."""
+        seed, challenger = names = b.candidates[0], b.trial
+        at = [t for _, t in b.marks]  # 8 blocks of calls, then this one
         took: dict[str, list[float]] = {seed: [], challenger: []}
-        for side, t0, t1 in zip(TRIAL_ORDER, b.stamps, b.stamps[1:]):
-            took[challenger if side else seed].append(t1 - t0)
-        slower = sum(took[challenger]) > sum(took[seed])
+        for blk, side in enumerate(TRIAL_ORDER):
+            took[names[side]].append(at[(blk + 1) * b.block] - at[blk * b.block])
+        period = repeat([q - p for (p, _), (q, _) in zip(b.marks, b.marks[1:])])
+        gaps = [t1 - t0 for t0, t1 in zip(at, at[1:])]  # from each trial call to the next
+        per = period and per_period(gaps, [TRIAL_ORDER[i // b.block] for i in range(len(gaps))], period)
+        slower = per[1] > per[0] if per else sum(took[challenger]) > sum(took[seed])
         refused = rt.control_max(g, -int(slower)) == -1  # negated: on every member
         b.blocks = {"calls": b.block, "ms": {n: [round(t * 1e3, 2) for t in ts] for n, ts in took.items()},
+                    "period": period if per else None,
+                    "per_period_ms": {n: round(t * 1e3, 3) for n, t in zip(names, per)} if per else None,
                     "refused": refused}
-        b.trial, g.trying = None, None
+        b.trial, g.trying, b.marks = None, None, []
+        judged = (f"per period of the job's calls ({period} calls of this bucket)" if per else
+                  f"over its blocks of {b.block} calls in total")
         if refused:
-            b.winner, b.how = seed, (f"kept the seed: {challenger} measured faster per call, but its blocks of "
-                                     f"{b.block} calls (the job's work between them included) took longer than "
-                                     f"{seed}'s in total on every rank")
+            b.winner, b.how = seed, (f"kept the seed: {challenger} measured faster per call, but took longer "
+                                     f"{judged}, the job's work between the calls included, than {seed} on every "
+                                     f"rank")
         else:
-            b.winner, b.how = challenger, (f"measured fastest, in every round on every rank, and its blocks of "
-                                           f"{b.block} calls took no longer in total than {seed}'s")
+            b.winner, b.how = challenger, (f"measured fastest, in every round on every rank, and took no longer "
+                                           f"{judged} than {seed}")
         lost = sum(took[challenger if refused else seed]) - sum(took[b.winner])  # the loser's blocks
         self.excess_s += max(0.0, lost)
         self._tally(b)
@@ -419,7 +478,7 @@ class Autotuner:
         b.blocks = {"calls": b.block, "ms": None, "refused": True, "stalled_after": done}
         b.winner, b.how = b.candidates[0], (f"kept the seed: {b.trial}'s trial stalled after {done} of "
                                             f"{len(TRIAL_ORDER) * b.block} calls (the job stopped calling it)")
-        b.trial, g.trying = None, None
+        b.trial, g.trying, b.marks = None, None, []
         self._tally(b)
 
     def _tally(self, b: Bucket) -> None:

@@ -31,7 +31,7 @@ class Group:
     a torch process group behind one object)."""
 
     __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index",
-                 "starters", "tuned", "trying")
+                 "starters", "tuned", "trying", "tuned_calls")
 
     def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
                  owner: "Runtime"):
@@ -50,6 +50,7 @@ class Group:
         #: object, not per name: torch reuses a destroyed group's name for another group.
         self.tuned: dict = {}
         self.trying = None  # autotune's bucket on trial: one at a time per group
+        self.tuned_calls = 0  # autotuned collectives that took the general path (a trial's count of calls)
 
     def __repr__(self) -> str:
         return f"<mcrdl.Group {self.name} ranks={list(self.ranks)}>"
