@@ -160,7 +160,14 @@ def step_cost(costly):
     it by 5 ms. The trial over blocks of calls sees what per-call times cannot:
     gloo wins unless it is the costly one (with MCRDL_AUTOTUNE_BLOCK_MS=0, no
     trial: gloo always). Rank 1 starts 50 ms late, so the ranks' paces (and
-    the blocks they propose) differ: a schedule from unagreed blocks hangs."""
+    the blocks they propose) differ: a schedule from unagreed blocks hangs.
+    Every third step also broadcasts 1 KiB, learned (and frozen) first: the
+    trial finds that period in the group's calls (period 1 if the broadcast's
+    fast-path calls go uncounted)."""
+    x = torch.zeros(256)
+    mcrdl.broadcast(x, src=0)
+    while exploring():  # (learned before the hack below: a trial of its own would come first)
+        mcrdl.broadcast(x, src=0)
     real = tuner.record
     tuner.record = lambda b, name, s: real(b, name, s * (1000 if name == "mpi" else 1))
     ran = []
@@ -184,12 +191,17 @@ def step_cost(costly):
         if ran:
             ran.clear()
             time.sleep(0.005)
+        if i % 3 == 0:
+            x.fill_(i)
+            mcrdl.broadcast(x, src=0)
+            check(torch.equal(x, torch.full((256,), float(i))), "broadcast", i)
     be.all_reduce = real_all_reduce
     b = api._runtime.world.tuned[("all_reduce", "cpu", bucket(64))]
     trial = tuner.block_ms > 0
     want = "mpi" if trial and costly == "gloo" else "gloo"
     check(b.winner == want, "winner", b.winner, "expected", want, b.how, b.blocks)
     check((b.blocks is not None) == trial, "trial", b.blocks)
+    check(not trial or b.blocks["period"] == 3, "the period of the group's calls", b.blocks)
     same_winners(api._runtime.world, list(range(world)))
     rows = api._runtime.control_allgather(api._runtime.world, json.dumps([b.block, b.calls]).encode())
     check(len(set(rows)) == 1, "ranks disagree on the trial's blocks:", *rows)
