@@ -363,8 +363,11 @@ def test_trial_judges_per_period_of_the_jobs_calls_where_blocks_cut_steps_uneven
     assert "per period of the job's calls (3 calls" in ar.how
 
 
-def test_repeat_finds_the_shortest_period_seen_twice():
+def test_repeat_finds_the_shortest_period_seen_twice_despite_one_extra_call():
     assert repeat([1, 1, 2, 1, 1, 2, 1]) == 3
     assert repeat([2] * 9) == 1
-    assert repeat([1, 2, 3, 1, 2]) is None  # (seen once)
-    assert repeat([1, 2, 1, 2, 1, 3]) is None and repeat([]) is None
+    assert repeat([1, 2, 3, 1, 2]) is None and repeat([]) is None  # (seen once)
+    assert repeat([1, 2] * 6 + [1, 3] + [1, 2] * 6) == 2  # (a barrier between two steps)
+    assert repeat([1, 2] * 4 + [2, 1] + [1, 2] * 4) is None  # (a call more and one fewer, apart: 4 misses)
+    assert repeat([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]) is None
+    assert repeat([2, 2, 2, 2, 2, 2, 2, 3] * 4) == 8
