@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import run_job
-from mcrdl.autotune import Autotuner, Bucket, bucket, bucket_bounds, repeat
+from mcrdl.autotune import TRIAL_STALL_GAP, Autotuner, Bucket, bucket, bucket_bounds, repeat
 from mcrdl.backends import REGISTRY
 from mcrdl.tuning import TuningTable
 
@@ -311,21 +311,36 @@ def test_trial_is_refused_only_if_slower_on_every_member(monkeypatch):
 
 
 def test_a_stalled_trial_is_abandoned_for_the_next_one(monkeypatch):
-    """The bucket on trial is not called again: after a whole trial's worth of
-    the waiting bucket's calls (8 blocks x 4), it keeps its seed and the
-    waiting bucket's trial begins."""
+    """The bucket on trial is not called again: once the group made a whole
+    trial's worth of gaps of 64 calls (8 blocks x 4 x 64) since its last
+    call, it keeps its seed and the waiting bucket's trial begins."""
     tuner, g, call, ran = _trial_setup(monkeypatch)
     ar, bc = g.tuned[("all_reduce", "cpu", bucket(64))], g.tuned[("broadcast", "cpu", bucket(64))]
-    call("all_reduce")  # ar's trial makes one call, then none
-    for _ in range(32):
+    call("all_reduce")  # ar's trial makes one call (2 group calls after its start), then none
+    stall = 8 * 4 * TRIAL_STALL_GAP
+    for _ in range(stall):
         call("broadcast")
-    assert g.trying is ar and ran["broadcast"][9:] == ["mpi"] * 32
-    call("broadcast")  # the 33rd: 32 calls since ar's count last moved
-    assert g.trying is bc and bc.trial_from == 41
+    assert g.trying is ar and ran["broadcast"][9:] == ["mpi"] * stall
+    call("broadcast")
+    assert g.trying is bc and bc.trial_from == 9 + stall
     assert ar.winner == "mpi" and ar.blocks["stalled_after"] == 1 and "stalled" in ar.how
     for _ in range(8 * 4):
         call("broadcast")
-    assert ran["broadcast"][41:73] == TRIAL_RAN and bc.winner == "gloo"
+    assert ran["broadcast"][9 + stall:9 + stall + 32] == TRIAL_RAN and bc.winner == "gloo"
+
+
+def test_a_trial_called_rarely_is_not_taken_for_stalled(monkeypatch):
+    """The bucket on trial is called once per 100 calls of another: its trial
+    runs to its verdict (counting the other bucket's calls alone, a trial's
+    worth of them, 32, would have abandoned it)."""
+    tuner, g, call, ran = _trial_setup(monkeypatch)
+    ar = g.tuned[("all_reduce", "cpu", bucket(64))]
+    for _ in range(8 * 4 + 1):
+        call("all_reduce")
+        for _ in range(100):
+            call("broadcast")
+    assert ran["all_reduce"][9:41] == TRIAL_RAN and ar.blocks.get("stalled_after") is None, ar.blocks
+    assert ar.winner == "mpi" and ar.blocks["refused"] and ar.blocks["period"] == 1, ar.blocks
 
 
 def test_trial_judges_per_period_of_the_jobs_calls_where_blocks_cut_steps_unevenly(monkeypatch):

@@ -94,6 +94,12 @@ DRIFT_WINDOWS = 2
 TRIAL_ORDER = (0, 1, 1, 0, 1, 0, 0, 1)
 #: Calls per trial block at most.
 TRIAL_MAX_CALLS = 1024
+#: A trial has stalled (the job stopped calling its bucket) when the group made
+#: a whole trial's worth (8 blocks of K) of gaps of this many calls, or of twice
+#: the trial's largest gap between two of its calls if that is more, without a
+#: call of its bucket. Until its verdict the group's calls take the general
+#: path and its other winners wait on their seeds.
+TRIAL_STALL_GAP = 64
 
 
 def bucket(nbytes: int) -> int:
@@ -146,7 +152,7 @@ class Bucket:
     """One (op class, size bucket) of one group: its schedule and its outcome."""
 
     __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how", "since", "window", "base",
-                 "slow", "reopened", "first", "trial", "block", "trial_from", "marks", "blocks", "waited")
+                 "slow", "reopened", "first", "trial", "block", "trial_from", "marks", "blocks", "trial_at", "gap")
 
     def __init__(self, candidates: tuple[str, ...]):
         self.reopened: list[dict] = []  # drift checks that opened the bucket again
@@ -172,7 +178,8 @@ class Bucket:
         self.trial_from: Optional[int] = None  # the bucket's call count when its trial began
         self.marks: list[tuple[int, float]] = []  # every trial call: (the group's call count, when it began)
         self.blocks: Optional[dict] = None  # the trial's outcome on this rank (report)
-        self.waited: Optional[tuple] = None  # (bucket on trial, its calls, ours) when its count last moved
+        self.trial_at = 0  # the group's call count at the trial's last call (or start)
+        self.gap = 1  # the most calls of the group between two of the trial's
 
 
 class Autotuner:
@@ -249,6 +256,9 @@ class Autotuner:
             if not g.tuned:
                 self.groups.append((g.name, g.size, g.tuned))
             b = g.tuned[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
+        owner = g.trying
+        if owner is not None and owner is not b and self._stalled(g, owner):
+            self._abandon(g, owner)
         if b.winner is not None:
             name = b.winner
             timed = self._drifts(cls, b) and self._count(rt, g, b) and runnable(name)
@@ -411,22 +421,15 @@ class Autotuner:
         """The backend for this call of ``b`` on trial: its block's, or at the
         call after the last block the group's verdict; the seed while another
         bucket of the group is on trial (then this call may begin the trial).
-        A trial that made no call during a whole trial's worth of this
-        bucket's calls is abandoned (its bucket keeps its seed): the job
-        stopped calling it. Every input is a call count, the same on every member."""
+        Every input is a call count, the same on every member."""
         if b.trial_from is None:
-            owner = g.trying
-            if owner is not None:
-                if b.waited is None or b.waited[0] is not owner or b.waited[1] != owner.calls:
-                    b.waited = (owner, owner.calls, b.calls)
-                elif b.calls - b.waited[2] >= len(TRIAL_ORDER) * b.block:
-                    self._abandon(g, owner)
             if g.trying is not None:
                 b.calls += 1
                 return b.candidates[0]
             self._begin_trial(g, b)
         blk = (b.calls - b.trial_from) // b.block
         b.calls += 1
+        b.gap, b.trial_at = max(b.gap, g.tuned_calls - b.trial_at), g.tuned_calls
         b.marks.append((g.tuned_calls, time.perf_counter()))
         if blk < len(TRIAL_ORDER):
             return b.trial if TRIAL_ORDER[blk] else b.candidates[0]
@@ -439,7 +442,7 @@ class Autotuner:
         autotuned collective of ``g`` takes the general path (the group's plans
         are dropped and none is made), where :meth:`pick` counts it, so each
         trial call knows its place in the group's sequence of calls."""
-        g.trying, b.trial_from, b.waited = b, b.calls, None
+        g.trying, b.trial_from, b.trial_at = b, b.calls, g.tuned_calls
         g.starters.clear()
 
     def _confirm(self, rt, g, b: Bucket) -> None:
@@ -475,6 +478,13 @@ class Autotuner:
         lost = sum(took[challenger if refused else seed]) - sum(took[b.winner])  # the loser's blocks
         self.excess_s += max(0.0, lost)
         self._tally(b)
+
+    @staticmethod
+    def _stalled(g, b: Bucket) -> bool:
+        """Has ``b``'s trial stalled (:data:`TRIAL_STALL_GAP`)? Counted in the
+        group's calls since the trial began, which every member counts alike
+        (they all take the general path)."""
+        return g.tuned_calls - b.trial_at > len(TRIAL_ORDER) * b.block * max(TRIAL_STALL_GAP, 2 * b.gap)
 
     def _abandon(self, g, b: Bucket) -> None:
         """Freeze ``b``, whose trial stalled, on its seed, and free the group's trial."""
