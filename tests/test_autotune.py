@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import run_job
-from mcrdl.autotune import TRIAL_STALL_GAP, Autotuner, Bucket, bucket, bucket_bounds, repeat
+from mcrdl.autotune import TRIAL_STALL_GAP, Autotuner, Bucket, bucket, bucket_bounds, period_of
 from mcrdl.backends import REGISTRY
 from mcrdl.tuning import TuningTable
 
@@ -370,19 +370,26 @@ def test_trial_judges_per_period_of_the_jobs_calls_where_blocks_cut_steps_uneven
             assert (ar.trial, ar.block, g.trying) == ("gloo", 4, ar)
         if step == 10:  # broadcast frozen (mpi), but planned on the general path during the trial
             assert tuner.frozen(g, "broadcast", 64, "cpu", "mpi") is None
-            assert tuner.frozen(g, "broadcast", 64, "cpu", "gloo", plan=False) == "mpi"  # (explain's)
+            assert tuner.frozen(g, "broadcast", 64, "cpu", "gloo", ignore_trial=True) == "mpi"  # (explain's)
     assert ar.winner == "mpi" and ar.blocks["refused"] and g.trying is None, ar.blocks
     assert tuner.frozen(g, "broadcast", 64, "cpu", "mpi") == "mpi"
     assert ar.blocks["period"] == 3 and ar.blocks["per_period_ms"] == {"mpi": 14.0, "gloo": 17.0}, ar.blocks
     assert sum(ar.blocks["ms"]["gloo"]) < sum(ar.blocks["ms"]["mpi"]), ar.blocks  # the totals would keep gloo
     assert "per period of the job's calls (3 calls" in ar.how
+    # cost: gloo's 16 calls, 16 / 3 steps, at 3 ms a step more; broadcast's 3 timed gloo calls 9 us slower
+    assert tuner.excess_s == pytest.approx(3e-3 * 16 / 3 + 3 * 9e-6), tuner.excess_s
 
 
-def test_repeat_finds_the_shortest_period_seen_twice_despite_one_extra_call():
-    assert repeat([1, 1, 2, 1, 1, 2, 1]) == 3
-    assert repeat([2] * 9) == 1
-    assert repeat([1, 2, 3, 1, 2]) is None and repeat([]) is None  # (seen once)
-    assert repeat([1, 2] * 6 + [1, 3] + [1, 2] * 6) == 2  # (a barrier between two steps)
-    assert repeat([1, 2] * 4 + [2, 1] + [1, 2] * 4) is None  # (a call more and one fewer, apart: 4 misses)
-    assert repeat([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]) is None
-    assert repeat([2, 2, 2, 2, 2, 2, 2, 3] * 4) == 8
+def test_period_of_finds_the_shortest_period_seen_twice_despite_irregular_calls():
+    assert period_of([1, 1, 2, 1, 1, 2, 1]) == 3
+    assert period_of([2] * 9) == 1
+    assert period_of([1, 2, 3, 1, 2]) is None and period_of([]) is None  # (seen once)
+    assert period_of([1, 2] * 6 + [1, 3] + [1, 2] * 6) == 2  # (a barrier between two steps)
+    assert period_of([1, 2] * 4 + [2, 1] + [1, 2] * 4) is None  # (a call more and one fewer, apart: 4 misses)
+    assert period_of([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]) is None
+    assert period_of([2, 2, 2, 2, 2, 2, 2, 3] * 4) == 8
+    steps = [1, 1, 2] * 22  # a logging call in two steps, 21 calls apart: still 3
+    steps[10] += 1
+    steps[31] += 1
+    assert period_of(steps) == 3
+    assert period_of([1] * 100 + [5] + [1] * 100) == 1

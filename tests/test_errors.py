@@ -140,6 +140,10 @@ def test_unknown_backend_name_at_init(uninitialized):
     with refused(ValueError, "unknown backend", "'foo'", "mpi", "gloo"):
         mcrdl.init_process_group(backends=["foo"], timeout=30)
     assert not mcrdl.is_initialized()
+    with refused(ValueError, "unknown backend", "'foo'"):  # (a string is names, not letters)
+        mcrdl.init_process_group(backends="gloo, foo", timeout=30)
+    mcrdl.init_process_group(backends="gloo", timeout=30)
+    assert mcrdl.live_backends() == ["gloo"]
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="nccl is live on a CUDA machine")

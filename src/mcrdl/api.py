@@ -36,7 +36,7 @@ _key, _pair, _span_at = facts.key, facts.pair, facts.span
 
 
 # -- lifecycle -------------------------------------------------------------------------
-def init_process_group(backends: Optional[Sequence[str]] = None, default_backend: Optional[str] = None,
+def init_process_group(backends: Union[None, str, Sequence[str]] = None, default_backend: Optional[str] = None,
                        timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,
                        op_backends: Optional[Mapping[str, str]] = None,
                        tuning_table: Union[None, str, dict, TuningTable] = None,
@@ -51,8 +51,9 @@ def init_process_group(backends: Optional[Sequence[str]] = None, default_backend
     ``rank`` and ``world_size`` — MPI is then live too if an MPI launcher
     started a world of that size.
 
-    ``backends``: names to start (default: all registered; those that cannot
-    start here are listed by :func:`available_backends`). ``default_backend``:
+    ``backends``: names to start, a list or one comma-separated string
+    (default: all registered; those that cannot start here are listed by
+    :func:`available_backends`). ``default_backend``:
     used when nothing else decides (default: first live of mpi, nccl, gloo).
     ``op_backends``: static per-op map (or ``MCRDL_OP_BACKENDS``).
     ``tuning_table``: path, dict or table (or ``MCRDL_TUNING_TABLE``).
@@ -227,7 +228,7 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
     tuner = rt.autotune
     if tuner is not None and tuner.explores(op, backend) and group_size in (None, g.size):
         learned = tuner.describe(g, op, nbytes, device)
-        won = tuner.frozen(g, op, nbytes, device, name, plan=False)
+        won = tuner.frozen(g, op, nbytes, device, name, ignore_trial=True)
         if won is not None and rt.selector.why_not(won, op, device, dtype) is None:
             name, why = won, learned
         else:

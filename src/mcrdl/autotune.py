@@ -97,8 +97,11 @@ TRIAL_MAX_CALLS = 1024
 #: A trial has stalled (the job stopped calling its bucket) when the group made
 #: a whole trial's worth (8 blocks of K) of gaps of this many calls, or of twice
 #: the trial's largest gap between two of its calls if that is more, without a
-#: call of its bucket. Until its verdict the group's calls take the general
-#: path and its other winners wait on their seeds.
+#: call of its bucket. Until then the group's calls take the general path and
+#: its other winners wait on their seeds. K spans about ``block_ms`` of the
+#: bucket's calls, so this is about 8 x 2 x ``block_ms`` of the group's calls
+#: at their pace (at least 8 x 64 / gap x ``block_ms`` when the gap is short):
+#: seconds at the default 100 ms.
 TRIAL_STALL_GAP = 64
 
 
@@ -112,14 +115,15 @@ def bucket_bounds(b: int) -> tuple[int, int]:
     return (0, 0) if b == 0 else (1 << (b - 1), (1 << b) - 1)
 
 
-def repeat(steps: list[int], slack: int = 2) -> Optional[int]:
-    """The smallest ``p``, at most half the length, with ``steps[i] == steps[i + p]``
-    for every ``i`` but at most ``slack``, else None. One call more or fewer
-    somewhere (a barrier between warm-up and timed steps, a logging call every
-    so many steps) changes one step and so two comparisons."""
+def period_of(steps: list[int], longest: int = 256) -> Optional[int]:
+    """The smallest ``p`` (at most ``longest`` and half the length) with
+    ``steps[i] == steps[i + p]`` for all but one ``i`` in 16 (and 2 more), else
+    None. An irregular call now and then (a barrier between warm-up and timed
+    steps, a logging call every so many steps) changes one step and so two
+    comparisons."""
     n = len(steps)
-    for p in range(1, n // 2 + 1):
-        misses = 0
+    for p in range(1, min(longest, n // 2) + 1):
+        slack, misses = 2 + (n - p) // 16, 0
         for i in range(n - p):
             if steps[i] != steps[i + p]:
                 misses += 1
@@ -152,7 +156,7 @@ class Bucket:
     """One (op class, size bucket) of one group: its schedule and its outcome."""
 
     __slots__ = ("candidates", "calls", "times", "winner", "agreed", "how", "since", "window", "base",
-                 "slow", "reopened", "first", "trial", "block", "trial_from", "marks", "blocks", "trial_at", "gap")
+                 "slow", "reopened", "first", "trial", "block", "trial_from", "marks", "blocks", "trial_at", "max_gap")
 
     def __init__(self, candidates: tuple[str, ...]):
         self.reopened: list[dict] = []  # drift checks that opened the bucket again
@@ -179,7 +183,7 @@ class Bucket:
         self.marks: list[tuple[int, float]] = []  # every trial call: (the group's call count, when it began)
         self.blocks: Optional[dict] = None  # the trial's outcome on this rank (report)
         self.trial_at = 0  # the group's call count at the trial's last call (or start)
-        self.gap = 1  # the most calls of the group between two of the trial's
+        self.max_gap = 1  # the most calls of the group between two of the trial's
 
 
 class Autotuner:
@@ -232,17 +236,17 @@ class Autotuner:
         cls = OP_CLASS[op]
         return explicit is None and cls in EXPLORED and cls not in self.selector.static
 
-    def frozen(self, g, op: str, nbytes: int, device: str, chosen: str, plan: bool = True) -> Optional[str]:
+    def frozen(self, g, op: str, nbytes: int, device: str, chosen: str, ignore_trial: bool = False) -> Optional[str]:
         """The backend for a fast-path plan: ``chosen`` (the selector's) when
         autotune does not decide the op, the frozen winner, or None (the general
         path runs the call) while the bucket is unexplored or exploring, or
         while a bucket of the group is on trial (which counts the group's
-        calls; not ``plan``: the winner then too)."""
+        calls; with ``ignore_trial``, the winner then too: what the call runs)."""
         cls = OP_CLASS[op]
         if cls not in EXPLORED or cls in self.selector.static:
             return chosen
         b = g.tuned.get((cls, device, bucket(nbytes)))
-        return None if b is None or plan and g.trying is not None else b.winner
+        return None if b is None or (g.trying is not None and not ignore_trial) else b.winner
 
     def pick(self, rt, g, op: str, nbytes: int, device: str, runnable) -> tuple[str, Optional[Bucket]]:
         """The backend for this call of ``op`` (None: the selector's, when the
@@ -261,7 +265,8 @@ class Autotuner:
             self._abandon(g, owner)
         if b.winner is not None:
             name = b.winner
-            timed = self._drifts(cls, b) and self._count(rt, g, b) and runnable(name)
+            # (not timed during a trial: the general path's calls are no drift)
+            timed = self._drifts(cls, b) and self._count(rt, g, b) and owner is None and runnable(name)
             return (name if runnable(name) else None), (b if timed else None)
         if b.trial is not None:
             name = self._trial_call(rt, g, b)
@@ -429,7 +434,7 @@ class Autotuner:
             self._begin_trial(g, b)
         blk = (b.calls - b.trial_from) // b.block
         b.calls += 1
-        b.gap, b.trial_at = max(b.gap, g.tuned_calls - b.trial_at), g.tuned_calls
+        b.max_gap, b.trial_at = max(b.max_gap, g.tuned_calls - b.trial_at), g.tuned_calls
         b.marks.append((g.tuned_calls, time.perf_counter()))
         if blk < len(TRIAL_ORDER):
             return b.trial if TRIAL_ORDER[blk] else b.candidates[0]
@@ -456,13 +461,13 @@ class Autotuner:
         took: dict[str, list[float]] = {seed: [], challenger: []}
         for blk, side in enumerate(TRIAL_ORDER):
             took[names[side]].append(at[(blk + 1) * b.block] - at[blk * b.block])
-        period = repeat([q - p for (p, _), (q, _) in zip(b.marks, b.marks[1:])])
+        period = period_of([q - p for (p, _), (q, _) in zip(b.marks, b.marks[1:])])
         gaps = [t1 - t0 for t0, t1 in zip(at, at[1:])]  # from each trial call to the next
         per = period and per_period(gaps, [TRIAL_ORDER[i // b.block] for i in range(len(gaps))], period)
         slower = per[1] > per[0] if per else sum(took[challenger]) > sum(took[seed])
         refused = rt.control_max(g, -int(slower)) == -1  # negated: on every member
         b.blocks = {"calls": b.block, "ms": {n: [round(t * 1e3, 2) for t in ts] for n, ts in took.items()},
-                    "period": period if per else None,
+                    "period": period,
                     "per_period_ms": {n: round(t * 1e3, 3) for n, t in zip(names, per)} if per else None,
                     "refused": refused}
         b.trial, g.trying, b.marks = None, None, []
@@ -475,16 +480,21 @@ class Autotuner:
         else:
             b.winner, b.how = challenger, (f"measured fastest, in every round on every rank, and took no longer "
                                            f"{judged} than {seed}")
-        lost = sum(took[challenger if refused else seed]) - sum(took[b.winner])  # the loser's blocks
+        loser = challenger if refused else seed
+        if per:  # the loser's periods (4 blocks of K calls) at its time per period beyond the winner's
+            periods = len(TRIAL_ORDER) // 2 * b.block / period
+            lost = (per[names.index(loser)] - per[names.index(b.winner)]) * periods
+        else:  # the loser's blocks beyond the winner's
+            lost = sum(took[loser]) - sum(took[b.winner])
         self.excess_s += max(0.0, lost)
         self._tally(b)
 
     @staticmethod
     def _stalled(g, b: Bucket) -> bool:
         """Has ``b``'s trial stalled (:data:`TRIAL_STALL_GAP`)? Counted in the
-        group's calls since the trial began, which every member counts alike
-        (they all take the general path)."""
-        return g.tuned_calls - b.trial_at > len(TRIAL_ORDER) * b.block * max(TRIAL_STALL_GAP, 2 * b.gap)
+        group's calls since the trial's last call (or its start), which every
+        member counts alike (they all take the general path meanwhile)."""
+        return g.tuned_calls - b.trial_at > len(TRIAL_ORDER) * b.block * max(TRIAL_STALL_GAP, 2 * b.max_gap)
 
     def _abandon(self, g, b: Bucket) -> None:
         """Freeze ``b``, whose trial stalled, on its seed, and free the group's trial."""

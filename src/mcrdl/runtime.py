@@ -245,6 +245,8 @@ class Runtime:
                  tuning_table: Union[None, str, dict, TuningTable], debug: Optional[bool],
                  comms_log: Optional[bool] = None, store=None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, autotune: Optional[bool] = None):
+        if isinstance(backends, str):  # "mpi,gloo"
+            backends = [name.strip() for name in backends.split(",") if name.strip()]
         requested = list(REGISTRY) if backends is None else list(backends)
         for name in requested:
             if name not in REGISTRY:
