@@ -2,8 +2,10 @@
 
 Times a 4-byte all_reduce (the size where overhead shows) with the backend
 forced (`backend="mpi"`) against the same call selected by the default, a
-static map and a tuning table (all choosing mpi), interleaved over rounds;
-and times `Selector.choose` alone. Medians over rounds of the max across ranks.
+static map, a tuning table and in-situ autotune once its bucket froze (all
+choosing mpi), interleaved over rounds; and times `Selector.choose` alone.
+Medians over rounds of the max across ranks. Every variant starts with the
+group's fast-path plans dropped, so each builds its own.
 """
 import argparse
 import json
@@ -14,6 +16,7 @@ import torch
 
 import mcrdl
 from mcrdl import api
+from mcrdl.autotune import Autotuner
 
 p = argparse.ArgumentParser()
 p.add_argument("--iters", type=int, default=5000)
@@ -32,10 +35,20 @@ static_sel = type(sel)(sel.live, "gloo", {"all_reduce": "mpi"}, None)
 default_sel = type(sel)(sel.live, "mpi", None, None)
 
 
-def allreduce_loop(selector, backend):
-    api._runtime.selector = selector
+def allreduce_loop(selector, backend, tuner=None):
+    api._runtime.selector, api._runtime.autotune = selector, tuner
+    api._runtime.world.starters.clear()
     for _ in range(args.iters):
         mcrdl.all_reduce(t, backend=backend)
+    api._runtime.autotune = None
+
+
+tuner = Autotuner(sel, block_ms=0)  # its 4-byte all_reduce bucket, explored and frozen here first
+api._runtime.autotune = tuner
+while not api._runtime.world.tuned or any(b.winner is None for b in api._runtime.world.tuned.values()):
+    mcrdl.all_reduce(t)
+api._runtime.autotune = None
+won = next(iter(api._runtime.world.tuned.values())).winner
 
 
 variants = {
@@ -43,6 +56,7 @@ variants = {
     "default backend": lambda: allreduce_loop(default_sel, None),
     "static map": lambda: allreduce_loop(static_sel, None),
     "tuning table": lambda: allreduce_loop(sel, None),
+    f"autotuned (frozen: {won})": lambda: allreduce_loop(sel, None, tuner),
 }
 times = {k: [] for k in variants}
 for _ in range(args.rounds):
