@@ -443,10 +443,11 @@ class Autotuner:
 
     @staticmethod
     def _begin_trial(g, b: Bucket) -> None:
-        """Put ``b`` on trial, from its call number ``b.calls``. Until the verdict every
-        autotuned collective of ``g`` takes the general path (the group's plans
-        are dropped and none is made), where :meth:`pick` counts it, so each
-        trial call knows its place in the group's sequence of calls."""
+        """Put ``b`` on trial, from its call number ``b.calls``. Until the
+        verdict (or abandonment) every autotuned collective of ``g`` takes the
+        general path (the group's plans are dropped and none is made), where
+        :meth:`pick` counts it, so each trial call knows its place in the
+        group's sequence of calls."""
         g.trying, b.trial_from, b.trial_at = b, b.calls, g.tuned_calls
         g.starters.clear()
 
