@@ -58,7 +58,8 @@ def main() -> int:
         results = []
         for nbytes in sizes:
             count = nbytes // 4
-            buf_a, buf_b = np.zeros(count, np.float32), np.zeros(count * n, np.float32)
+            # (all_to_all sends count to each of n peers from buf_a; the other ops use count of it)
+            buf_a, buf_b = np.zeros(count * n, np.float32), np.zeros(count * n, np.float32)
             iters = max(200, min(5000, (1 << 24) // max(nbytes, 1) // 8))
             for op_id, op in enumerate(OPS):
                 times = {form: [] for form in FORMS}
