@@ -37,6 +37,16 @@ def busy(n: int = 1) -> list[multiprocessing.Process]:
     return hogs
 
 
+def bucket_name(row: dict) -> str:
+    """An autotune report row's bucket, e.g. ``all_gather 131072-262143 B``."""
+    return f"{row['op']} {row['min_bytes']}-{row['max_bytes']} B"
+
+
+def trials(rows: list[dict]) -> list[dict]:
+    """The trials over blocks in an autotune report's rows, each with its bucket's name."""
+    return [{"bucket": bucket_name(r), **r["trial"]} for r in rows if r.get("trial")]
+
+
 def write_json(path: str, doc: dict, console) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -24,7 +24,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from _record import busy, environment, write_json
+from _record import busy, environment, trials, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = "baseline-gloo,baseline-mpi,tuned,autotuned"
@@ -67,8 +67,7 @@ def summarise(out: str) -> list[dict]:
                                          for k in tuned if k in learned and tuned[k] != learned[k]
                                          for op, nbytes in [k]),
             "buckets_learned": autotuned[0][0]["buckets"],
-            "trials": [{"run": i, "bucket": f"{b['op']} {b['min_bytes']}-{b['max_bytes']} B", **b["trial"]}
-                       for i, ranks in enumerate(autotuned) for b in ranks[0]["buckets"] if b.get("trial")]})
+            "trials": [{"run": i, **tr} for i, ranks in enumerate(autotuned) for tr in trials(ranks[0]["buckets"])]})
     return rows
 
 

@@ -25,7 +25,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from _record import busy, environment, write_json
+from _record import bucket_name, busy, environment, trials, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = {"trial off": "0", "trial on": "100"}
@@ -53,10 +53,8 @@ def rounds(doc: dict) -> list[dict]:
         out.append({"vs_mpi": statistics.median(base["step_s"]) / statistics.median(a["step_s"]),
                     "auto_step_ms": statistics.median(a["step_s"]) * 1e3,
                     "mpi_step_ms": statistics.median(base["step_s"]) * 1e3,
-                    "gloo_won": [f"{b['op']} {b['min_bytes']}-{b['max_bytes']} B" for b in buckets
-                                 if b["winner"] == "gloo"],
-                    "trials": [{"bucket": f"{b['op']} {b['min_bytes']}-{b['max_bytes']} B", **b["trial"]}
-                               for b in buckets if b.get("trial")],
+                    "gloo_won": [bucket_name(b) for b in buckets if b["winner"] == "gloo"],
+                    "trials": trials(buckets),
                     "exploring_after_warmup": max(r["exploring_after_warmup"] for r in a["autotune"])})
     return out
 
