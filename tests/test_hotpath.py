@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import cached_files, check_built_once_and_reused, compiled_status
 
@@ -94,3 +95,30 @@ print("BAD CALLS OK")
 def test_compiled_calls_refuse_what_mpi_cannot_count_and_raise_mpi_errors_as_comm_errors():
     proc = subprocess.run([sys.executable, "-c", BAD_CALLS], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and "BAD CALLS OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_reduce_scatter_rows_band_and_local_reduction(monkeypatch):
+    """Which sizes reduce by rows (MPICH's band, the override, bad values named),
+    and the local reduction: 16-bit floats accumulate in float32 and round once."""
+    from mcrdl.backends.mpi import MPICH_ROWS_BAND, reduce_rows, rows_band
+    from mcrdl.types import ReduceOp
+
+    monkeypatch.delenv("MCRDL_MPI_RS_ALLTOALL", raising=False)
+    assert rows_band("MPICH Version:      5.0.2") == MPICH_ROWS_BAND
+    assert rows_band("Open MPI v5.0.5") == (1, 0)  # (no size is in it)
+    for spec, band in (("off", (1, 0)), ("0:1024", (0, 1024))):
+        monkeypatch.setenv("MCRDL_MPI_RS_ALLTOALL", spec)
+        assert rows_band("MPICH") == band
+    monkeypatch.setenv("MCRDL_MPI_RS_ALLTOALL", "64K")
+    with pytest.raises(ValueError, match="MCRDL_MPI_RS_ALLTOALL='64K': expected LO:HI in bytes"):
+        rows_band("MPICH")
+
+    rows = torch.tensor([[256.0, 3.0], [1.0, -4.0], [1.0, 2.0]], dtype=torch.bfloat16)
+    out = torch.empty(2, dtype=torch.bfloat16)
+    reduce_rows(rows, out, ReduceOp.SUM)  # bf16 one by one: 256 + 1 = 256, + 1 = 256
+    assert out.tolist() == [258.0, 1.0]
+    ints = torch.tensor([[2, -3], [5, 7]], dtype=torch.int32)
+    for op, expected in ((ReduceOp.PRODUCT, [10, -21]), (ReduceOp.MIN, [2, -3]), (ReduceOp.MAX, [5, 7])):
+        got = torch.empty(2, dtype=torch.int32)
+        reduce_rows(ints, got, op)
+        assert got.tolist() == expected and got.dtype is torch.int32

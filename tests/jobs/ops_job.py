@@ -78,6 +78,12 @@ for backend in backends:
                     finish(mcrdl.reduce_scatter(out, list(full.chunk(n)) if numel else
                                                 [torch.empty(0, dtype=dtype)] * n, **kw), async_op)
                     check(torch.equal(out, ref), tag, "reduce_scatter", out, ref)
+                    for op in ops[1:]:  # (an op other than SUM runs the general path)
+                        full = value(rank, n * numel, dtype, op == "product")
+                        finish(mcrdl.reduce_scatter_tensor(out, full, op=getattr(mcrdl.ReduceOp, op.upper()),
+                                                           **kw), async_op)
+                        ref = reduced(ranks, n * numel, dtype, op)[grank * numel:(grank + 1) * numel]
+                        check(torch.equal(out, ref), tag, "reduce_scatter_tensor", op, out, ref)
                     # gather / scatter
                     glist = [torch.empty(numel, dtype=dtype) for _ in ranks] if rank == root else None
                     finish(mcrdl.gather(value(rank, numel, dtype), glist, dst=root, **kw), async_op)
@@ -198,8 +204,9 @@ for backend in backends:
     res = fut.wait()
     check(torch.equal(res[0], reduced(range(world), 8, torch.float32, "sum")), "future result")
 
-mcrdl.destroy_process_group()
 if "mpi" in backends:
     from mcrdl.backends import native
     print(f"rank {rank}: MPI hot path {native.status()}")
+    print(f"rank {rank}: reduce_scatter_tensor by rows for outputs of {mcrdl.api._runtime.backends['mpi'].rows_band} bytes")
+mcrdl.destroy_process_group()
 print(f"rank {rank}: OK {count} checks on {backends}")

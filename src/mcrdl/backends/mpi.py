@@ -83,6 +83,26 @@ INT_MAX = 2**31 - 1  # MPI's count type in the compiled calls
 #: Seconds a compiled call waits before it hands the still-pending request to
 #: the engine, whose wait sees the op's deadline, dead peers and Ctrl-C.
 NATIVE_WAIT_S = 0.1
+#: Output bytes per rank for which reduce_scatter_tensor runs as an all-to-all
+#: and a local reduction on MPICH: its nonblocking reduce-scatter takes 2-10x
+#: its blocking call there (docs/backends.md, "reduce_scatter_tensor on MPICH").
+MPICH_ROWS_BAND = (64 << 10, 512 << 10)
+
+
+def rows_band(library: str) -> tuple[int, int]:
+    """Output bytes per rank (lowest, highest) for which reduce_scatter_tensor
+    reduces locally after an all-to-all: ``MCRDL_MPI_RS_ALLTOALL=LO:HI``
+    (bytes) or ``off`` when set, else :data:`MPICH_ROWS_BAND` on MPICH and
+    none on other libraries."""
+    spec = os.environ.get("MCRDL_MPI_RS_ALLTOALL")
+    if spec is None:
+        return MPICH_ROWS_BAND if library.startswith("MPICH") else (1, 0)
+    if spec.strip().lower() == "off":
+        return (1, 0)
+    lo, sep, hi = spec.partition(":")
+    if sep and lo.strip().isdigit() and hi.strip().isdigit():
+        return int(lo), int(hi)
+    raise ValueError(f"MCRDL_MPI_RS_ALLTOALL={spec!r}: expected LO:HI in bytes (such as 65536:524288) or off")
 
 
 class MPIPending(Pending):
@@ -242,6 +262,7 @@ class MPIBackend(Backend):
         self.native = native_path.load()
         if self.native is not None:
             self.native.set_busy(busy_seconds())
+        self.rows_band = rows_band(self.version())
         if "cuda" in self.devices:
             self.order_after_streams()
 
@@ -367,7 +388,14 @@ class MPIBackend(Backend):
         with torch.no_grad(), self._private(tensors[0], back=False):
             wide = [t.float() for t in tensors]
         pending = MPIPending(start(*[self._buf(w, self.reduce_types) for w in wide]), *wide)
-        return _CopyBack(pending, tensors[-1], wide[-1], lambda: self._private(tensors[-1], back=True))
+        target, result = tensors[-1], wide[-1]
+        return _Finish(pending, lambda: target.copy_(result), lambda: self._private(target, back=True))
+
+    def _by_rows(self, output: torch.Tensor, op: ReduceOp) -> bool:
+        """Does this reduce_scatter_tensor run as an all-to-all of the input's
+        rows and a local reduction (:func:`rows_band`)?"""
+        lo, hi = self.rows_band
+        return lo <= output.nbytes <= hi and output.dtype is not torch.bool and op in ROW_REDUCTIONS
 
     # -- operations --------------------------------------------------------------
     def all_reduce(self, comm, tensor, op):
@@ -446,6 +474,8 @@ class MPIBackend(Backend):
         return start
 
     def _native_reduce_scatter_tensor(self, comm, timeout, output, input, op):
+        if self._by_rows(output, op):
+            return self._native_rows(comm, timeout, output, op)
         dt = self.reduce_types.get(output.dtype)
         if dt is None:
             return None
@@ -454,6 +484,19 @@ class MPIBackend(Backend):
         def start(out, inp):
             r = run(comm, inp.data_ptr(), out.data_ptr(), count, dt, mop, timeout)
             return DONE if r is None else MPIPending(r, inp, out)
+        return start
+
+    def _native_rows(self, comm, timeout, output, op):
+        """reduce_scatter_tensor as the compiled all-to-all, then the local reduction."""
+        run, n, count, dt = self.native.alltoall, comm.Get_size(), output.numel(), self.move_types[output.dtype]
+
+        def start(out, inp):
+            rows = torch.empty((n, count), dtype=inp.dtype)
+            r = run(comm, inp.data_ptr(), rows.data_ptr(), count, dt, timeout)
+            if r is None:
+                reduce_rows(rows, out, op)
+                return DONE
+            return _Finish(MPIPending(r, inp, rows), lambda: reduce_rows(rows, out, op), contextlib.nullcontext)
         return start
 
     def _native_gather(self, comm, timeout, output, input, root):
@@ -511,6 +554,10 @@ class MPIBackend(Backend):
         return MPIPending(comm.Iallgather(self._buf(input), self._buf(output)), input, output)
 
     def reduce_scatter_tensor(self, comm, output, input, op):
+        if self._by_rows(output, op):
+            rows = input.new_empty((comm.Get_size(), output.numel()))
+            return _Finish(MPIPending(comm.Ialltoall(self._buf(input), self._buf(rows)), input, rows),
+                           lambda: reduce_rows(rows, output, op), lambda: self._private(output, back=True))
         mop = self.reduce_ops[op]
         return self._reduction([input, output],
                                lambda i, o: comm.Ireduce_scatter_block(i, o, mop))
@@ -552,19 +599,39 @@ def _displs(counts: Sequence[int]) -> list[int]:
     return out
 
 
-class _CopyBack(Pending):
-    """Finishes a widened (float32) reduction by rounding into the bf16 tensor."""
+#: Local reductions over rows (dim 0), as MPI's reduction ops
+ROW_REDUCTIONS = {ReduceOp.SUM: torch.sum, ReduceOp.PRODUCT: torch.prod,
+                  ReduceOp.MIN: torch.amin, ReduceOp.MAX: torch.amax}
+
+
+def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
+    """``out`` = ``op`` over the rows of ``rows`` (n x out.numel()); 16-bit
+    floats sum and multiply in float32 and round once, like MPI's widened path."""
+    fn, flat = ROW_REDUCTIONS[op], out.view(-1)
+    with torch.no_grad():
+        if op in (ReduceOp.MIN, ReduceOp.MAX):
+            fn(rows, dim=0, out=flat)
+        elif out.dtype in (torch.float16, torch.bfloat16):
+            flat.copy_(fn(rows, dim=0, dtype=torch.float32))
+        else:
+            fn(rows, dim=0, dtype=out.dtype, out=flat)
+
+
+class _Finish(Pending):
+    """A pending op with a local step once it completes: a widened reduction
+    rounded back into bf16, an all-to-all's rows reduced."""
 
     progress_domain = "mpi"
 
-    def __init__(self, inner: MPIPending, target: torch.Tensor, wide: torch.Tensor, where: Callable):
-        self.inner, self.target, self.wide, self.where = inner, target, wide, where  # where(): the copy's context
-        self.cancelled = False
+    def __init__(self, inner: Pending, finish: Callable[[], Any], where: Callable):
+        self.inner, self.finish, self.where = inner, finish, where  # where(): the step's context
+        self.cancelled = self.finished = False
 
-    def _copy(self, done: bool) -> bool:
-        if done and not self.cancelled:  # (a missed deadline: the caller was told it failed)
+    def _finish(self, done: bool) -> bool:
+        if done and not (self.cancelled or self.finished):  # (a missed deadline: the caller was told it failed)
             with torch.no_grad(), self.where():
-                self.target.copy_(self.wide)
+                self.finish()
+            self.finished = True
         return done
 
     def cancel(self) -> None:
@@ -572,10 +639,10 @@ class _CopyBack(Pending):
         self.inner.cancel()
 
     def test(self) -> bool:
-        return self._copy(self.inner.test())
+        return self._finish(self.inner.test())
 
     def block(self, deadline: float) -> bool:
-        return self._copy(self.inner.block(deadline))
+        return self._finish(self.inner.block(deadline))
 
 
 @contextlib.contextmanager
