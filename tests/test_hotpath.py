@@ -97,21 +97,21 @@ def test_compiled_calls_refuse_what_mpi_cannot_count_and_raise_mpi_errors_as_com
     assert proc.returncode == 0 and "BAD CALLS OK" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_reduce_scatter_rows_band_and_local_reduction(monkeypatch):
-    """Which sizes reduce by rows (MPICH's band, the override, bad values named),
+def test_reduce_scatter_rows_rule_and_local_reduction(monkeypatch):
+    """Which calls reduce by rows (MPICH's rule, the override, bad values named),
     and the local reduction: 16-bit floats accumulate in float32 and round once."""
-    from mcrdl.backends.mpi import MPICH_ROWS_BAND, reduce_rows, rows_band
+    from mcrdl.backends.mpi import INT_MAX, MPICH_ROWS, NO_ROWS, reduce_rows, rows_rule
     from mcrdl.types import ReduceOp
 
     monkeypatch.delenv("MCRDL_MPI_RS_ALLTOALL", raising=False)
-    assert rows_band("MPICH Version:      5.0.2") == MPICH_ROWS_BAND
-    assert rows_band("Open MPI v5.0.5") == (1, 0)  # (no size is in it)
-    for spec, band in (("off", (1, 0)), ("0:1024", (0, 1024))):
+    assert rows_rule("MPICH Version:      5.0.2") == MPICH_ROWS
+    assert rows_rule("Open MPI v5.0.5") == NO_ROWS
+    for spec, rule in (("off", NO_ROWS), ("0:1024", (0, 1024, INT_MAX))):
         monkeypatch.setenv("MCRDL_MPI_RS_ALLTOALL", spec)
-        assert rows_band("MPICH") == band
+        assert rows_rule("MPICH") == rule
     monkeypatch.setenv("MCRDL_MPI_RS_ALLTOALL", "64K")
     with pytest.raises(ValueError, match="MCRDL_MPI_RS_ALLTOALL='64K': expected LO:HI in bytes"):
-        rows_band("MPICH")
+        rows_rule("MPICH")
 
     rows = torch.tensor([[256.0, 3.0], [1.0, -4.0], [1.0, 2.0]], dtype=torch.bfloat16)
     out = torch.empty(2, dtype=torch.bfloat16)

@@ -207,6 +207,7 @@ for backend in backends:
 if "mpi" in backends:
     from mcrdl.backends import native
     print(f"rank {rank}: MPI hot path {native.status()}")
-    print(f"rank {rank}: reduce_scatter_tensor by rows for outputs of {mcrdl.api._runtime.backends['mpi'].rows_band} bytes")
+    lo, hi, ranks = mcrdl.api._runtime.backends["mpi"].rows_rule
+    print(f"rank {rank}: reduce_scatter_tensor by rows for outputs of {lo}-{hi} bytes, groups of <= {ranks}")
 mcrdl.destroy_process_group()
 print(f"rank {rank}: OK {count} checks on {backends}")

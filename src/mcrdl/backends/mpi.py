@@ -83,26 +83,28 @@ INT_MAX = 2**31 - 1  # MPI's count type in the compiled calls
 #: Seconds a compiled call waits before it hands the still-pending request to
 #: the engine, whose wait sees the op's deadline, dead peers and Ctrl-C.
 NATIVE_WAIT_S = 0.1
-#: Output bytes per rank for which reduce_scatter_tensor runs as an all-to-all
-#: and a local reduction on MPICH: its nonblocking reduce-scatter takes 2-10x
-#: its blocking call there (docs/backends.md, "reduce_scatter_tensor on MPICH").
-MPICH_ROWS_BAND = (64 << 10, 512 << 10)
+#: (lowest, highest output bytes per rank, largest group) for which
+#: reduce_scatter_tensor runs as an all-to-all and a local reduction on MPICH:
+#: at 2 ranks its nonblocking reduce-scatter there often takes 2.7-3.6x its
+#: blocking call (docs/backends.md, "reduce_scatter_tensor on MPICH").
+MPICH_ROWS = (128 << 10, 512 << 10, 2)
+NO_ROWS = (1, 0, 0)
 
 
-def rows_band(library: str) -> tuple[int, int]:
-    """Output bytes per rank (lowest, highest) for which reduce_scatter_tensor
-    reduces locally after an all-to-all: ``MCRDL_MPI_RS_ALLTOALL=LO:HI``
-    (bytes) or ``off`` when set, else :data:`MPICH_ROWS_BAND` on MPICH and
-    none on other libraries."""
+def rows_rule(library: str) -> tuple[int, int, int]:
+    """When reduce_scatter_tensor reduces locally after an all-to-all:
+    ``MCRDL_MPI_RS_ALLTOALL=LO:HI`` (output bytes per rank, any group) or
+    ``off`` when set, else :data:`MPICH_ROWS` on MPICH and never on other
+    libraries."""
     spec = os.environ.get("MCRDL_MPI_RS_ALLTOALL")
     if spec is None:
-        return MPICH_ROWS_BAND if library.startswith("MPICH") else (1, 0)
+        return MPICH_ROWS if library.startswith("MPICH") else NO_ROWS
     if spec.strip().lower() == "off":
-        return (1, 0)
+        return NO_ROWS
     lo, sep, hi = spec.partition(":")
     if sep and lo.strip().isdigit() and hi.strip().isdigit():
-        return int(lo), int(hi)
-    raise ValueError(f"MCRDL_MPI_RS_ALLTOALL={spec!r}: expected LO:HI in bytes (such as 65536:524288) or off")
+        return int(lo), int(hi), INT_MAX
+    raise ValueError(f"MCRDL_MPI_RS_ALLTOALL={spec!r}: expected LO:HI in bytes (such as 131072:524288) or off")
 
 
 class MPIPending(Pending):
@@ -262,7 +264,7 @@ class MPIBackend(Backend):
         self.native = native_path.load()
         if self.native is not None:
             self.native.set_busy(busy_seconds())
-        self.rows_band = rows_band(self.version())
+        self.rows_rule = rows_rule(self.version())
         if "cuda" in self.devices:
             self.order_after_streams()
 
@@ -391,11 +393,12 @@ class MPIBackend(Backend):
         target, result = tensors[-1], wide[-1]
         return _Finish(pending, lambda: target.copy_(result), lambda: self._private(target, back=True))
 
-    def _by_rows(self, output: torch.Tensor, op: ReduceOp) -> bool:
+    def _by_rows(self, comm, output: torch.Tensor, op: ReduceOp) -> bool:
         """Does this reduce_scatter_tensor run as an all-to-all of the input's
-        rows and a local reduction (:func:`rows_band`)?"""
-        lo, hi = self.rows_band
-        return lo <= output.nbytes <= hi and output.dtype is not torch.bool and op in ROW_REDUCTIONS
+        rows and a local reduction (:func:`rows_rule`)?"""
+        lo, hi, ranks = self.rows_rule
+        return (lo <= output.nbytes <= hi and comm.Get_size() <= ranks and output.dtype is not torch.bool
+                and op in ROW_REDUCTIONS)
 
     # -- operations --------------------------------------------------------------
     def all_reduce(self, comm, tensor, op):
@@ -474,7 +477,7 @@ class MPIBackend(Backend):
         return start
 
     def _native_reduce_scatter_tensor(self, comm, timeout, output, input, op):
-        if self._by_rows(output, op):
+        if self._by_rows(comm, output, op):
             return self._native_rows(comm, timeout, output, op)
         dt = self.reduce_types.get(output.dtype)
         if dt is None:
@@ -554,7 +557,7 @@ class MPIBackend(Backend):
         return MPIPending(comm.Iallgather(self._buf(input), self._buf(output)), input, output)
 
     def reduce_scatter_tensor(self, comm, output, input, op):
-        if self._by_rows(output, op):
+        if self._by_rows(comm, output, op):
             rows = input.new_empty((comm.Get_size(), output.numel()))
             return _Finish(MPIPending(comm.Ialltoall(self._buf(input), self._buf(rows)), input, rows),
                            lambda: reduce_rows(rows, output, op), lambda: self._private(output, back=True))
@@ -599,22 +602,27 @@ def _displs(counts: Sequence[int]) -> list[int]:
     return out
 
 
-#: Local reductions over rows (dim 0), as MPI's reduction ops
-ROW_REDUCTIONS = {ReduceOp.SUM: torch.sum, ReduceOp.PRODUCT: torch.prod,
-                  ReduceOp.MIN: torch.amin, ReduceOp.MAX: torch.amax}
+#: MPI's reduction ops as torch's elementwise ones (a chain of them beats a
+#: reduction over dim 0: ``torch.sum(rows, 0)`` of 2 rows takes 2.4x ``torch.add``)
+ROW_REDUCTIONS = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul,
+                  ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum}
 
 
 def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
-    """``out`` = ``op`` over the rows of ``rows`` (n x out.numel()); 16-bit
-    floats sum and multiply in float32 and round once, like MPI's widened path."""
+    """``out`` = ``op`` over the rows of ``rows`` (n x out.numel()), in rank
+    order; 16-bit floats accumulate in float32 and round once, like MPI's
+    widened path."""
     fn, flat = ROW_REDUCTIONS[op], out.view(-1)
     with torch.no_grad():
-        if op in (ReduceOp.MIN, ReduceOp.MAX):
-            fn(rows, dim=0, out=flat)
-        elif out.dtype in (torch.float16, torch.bfloat16):
-            flat.copy_(fn(rows, dim=0, dtype=torch.float32))
-        else:
-            fn(rows, dim=0, dtype=out.dtype, out=flat)
+        if len(rows) == 1:
+            flat.copy_(rows[0])
+            return
+        wide = out.dtype in (torch.float16, torch.bfloat16) and op in (ReduceOp.SUM, ReduceOp.PRODUCT)
+        acc = fn(rows[0].float(), rows[1]) if wide else fn(rows[0], rows[1], out=flat)
+        for row in rows[2:]:
+            fn(acc, row, out=acc)
+        if wide:
+            flat.copy_(acc)
 
 
 class _Finish(Pending):
