@@ -85,8 +85,8 @@ INT_MAX = 2**31 - 1  # MPI's count type in the compiled calls
 NATIVE_WAIT_S = 0.1
 #: (lowest, highest output bytes per rank, largest group) for which
 #: reduce_scatter_tensor runs as an all-to-all and a local reduction on MPICH:
-#: at 2 ranks its nonblocking reduce-scatter there often takes 2.7-3.6x its
-#: blocking call (docs/backends.md, "reduce_scatter_tensor on MPICH").
+#: at 2 ranks its nonblocking reduce-scatter there can take 3.5x its blocking
+#: call (docs/backends.md, "reduce_scatter_tensor on MPICH").
 MPICH_ROWS = (128 << 10, 512 << 10, 2)
 NO_ROWS = (1, 0, 0)
 
