@@ -31,6 +31,7 @@ def test_reduce_scatter_by_rows_at_every_size(nprocs, env):
     out = run_job(nprocs, "ops_job.py", "mpi", timeout=600, env={"MCRDL_MPI_RS_ALLTOALL": "0:1073741824", **env})
     assert out.count(": OK ") == nprocs, out[-3000:]
     assert out.count("by rows for outputs of 0-1073741824 bytes, groups of <= 2147483647") == nprocs, out[-3000:]
+    assert out.count("MPI hot path compiled" if not env else "MPI hot path off") == nprocs, out[-3000:]
 
 
 def test_hello_example():

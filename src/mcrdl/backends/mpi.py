@@ -87,15 +87,15 @@ NATIVE_WAIT_S = 0.1
 #: reduce_scatter_tensor runs as an all-to-all and a local reduction on MPICH:
 #: at 2 ranks its nonblocking reduce-scatter there can take 3.5x its blocking
 #: call (docs/backends.md, "reduce_scatter_tensor on MPICH").
-MPICH_ROWS = (128 << 10, 512 << 10, 2)
+MPICH_ROWS = (256 << 10, 512 << 10, 2)
 NO_ROWS = (1, 0, 0)
 
 
 def rows_rule(library: str) -> tuple[int, int, int]:
-    """When reduce_scatter_tensor reduces locally after an all-to-all:
-    ``MCRDL_MPI_RS_ALLTOALL=LO:HI`` (output bytes per rank, any group) or
-    ``off`` when set, else :data:`MPICH_ROWS` on MPICH and never on other
-    libraries."""
+    """When reduce_scatter_tensor on CPU tensors reduces locally after an
+    all-to-all: ``MCRDL_MPI_RS_ALLTOALL=LO:HI`` (output bytes per rank, any
+    group; set alike on every rank, as the launcher does) or ``off`` when set,
+    else :data:`MPICH_ROWS` on MPICH and never on other libraries."""
     spec = os.environ.get("MCRDL_MPI_RS_ALLTOALL")
     if spec is None:
         return MPICH_ROWS if library.startswith("MPICH") else NO_ROWS
@@ -397,8 +397,7 @@ class MPIBackend(Backend):
         """Does this reduce_scatter_tensor run as an all-to-all of the input's
         rows and a local reduction (:func:`rows_rule`)?"""
         lo, hi, ranks = self.rows_rule
-        return (lo <= output.nbytes <= hi and comm.Get_size() <= ranks and output.dtype is not torch.bool
-                and op in ROW_REDUCTIONS)
+        return lo <= output.nbytes <= hi and output.is_cpu and comm.Get_size() <= ranks and op in ROW_REDUCTIONS
 
     # -- operations --------------------------------------------------------------
     def all_reduce(self, comm, tensor, op):
@@ -627,7 +626,7 @@ def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
 
 class _Finish(Pending):
     """A pending op with a local step once it completes: a widened reduction
-    rounded back into bf16, an all-to-all's rows reduced."""
+    rounded back into 16-bit floats, an all-to-all's rows reduced."""
 
     progress_domain = "mpi"
 
