@@ -89,6 +89,7 @@ def test_span(compiled):
     parts = list(buf.chunk(3))
     other = torch.zeros(4)
     grad = torch.zeros(12, requires_grad=True)
+    wide = torch.zeros(16)
     cases = {
         "chunks": (parts, 3, torch.float32, 16), "tuple": (tuple(parts), 3, torch.float32, 16),
         "reversed": (parts[::-1], 3, torch.float32, 16), "gap": (list(buf.chunk(4))[::2] + [other], 3,
@@ -98,12 +99,20 @@ def test_span(compiled):
         "not a tensor": (parts[:2] + [1], 3, torch.float32, 16), "none": ([], 0, torch.float32, 16),
         "requires grad": (list(grad.chunk(3)), 3, torch.float32, 16),
         "one": ([other], 1, torch.float32, 16),
+        # apart: the tensor the op's other side is (gather, scatter), which must not overlap
+        "apart elsewhere": (parts, 3, torch.float32, 16, other),
+        "apart just after": (list(wide[:12].chunk(3)), 3, torch.float32, 16, wide[12:]),
+        "apart inside": (parts, 3, torch.float32, 16, parts[1]),
+        "apart across the end": (list(wide[:12].chunk(3)), 3, torch.float32, 16, wide[11:13]),
+        "apart not a tensor": (parts, 3, torch.float32, 16, 5),
     }
     for name, args in cases.items():
         expected = facts.span(*args)
         assert compiled.span(*args) == expected, name
-        if name in ("chunks", "tuple"):
+        if name in ("chunks", "tuple", "apart elsewhere"):
             assert expected == buf.data_ptr(), name
+        elif name == "apart just after":
+            assert expected == wide.data_ptr(), name
         elif name == "one":
             assert expected == other.data_ptr()
         else:

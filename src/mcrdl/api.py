@@ -906,11 +906,8 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
     name, start, root = plan
     nbytes, whole, blocks = kind[0], None, ()
     if g.rank == root:
-        whole = _span(g, op, parts, kind)
-        if whole is None:
-            return False
-        at, start_at = tensor.data_ptr(), whole.data_ptr()
-        if at < start_at + nbytes * g.size and start_at < at + nbytes:  # aliased: the general path copies
+        whole = _span(g, op, parts, kind, tensor)
+        if whole is None:  # (also when the list holds ``tensor``: the general path copies)
             return False
         blocks = tuple(parts)  # (kept alive if the op is abandoned: not the caller's list)
     elif parts:
@@ -941,16 +938,17 @@ def _rooted_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, global_ro
 SPAN_MEMO_BYTES = 64 << 10
 
 
-def _span(g: Group, op: str, parts, kind: tuple) -> Optional[torch.Tensor]:
+def _span(g: Group, op: str, parts, kind: tuple, apart=None) -> Optional[torch.Tensor]:
     """One flat tensor over ``parts`` if they are ``g.size`` tensors of
     ``kind`` (nbytes, dtype) lying back to back in memory (as ``x.chunk(n)``
-    makes them), else None: the general path checks and copies. A group
+    makes them) and sharing no byte with tensor ``apart`` (when given), else
+    None: the general path checks and copies. A group
     remembers the view of its last small list per op: a list at the same
     address next time reuses it while the view is still there (its storage
     keeps that memory allocated unless it was resized or freed in place, as
     FSDP frees parameters: then the view has moved and is not reused)."""
     nbytes, dtype = kind
-    at = _span_at(parts, g.size, dtype, nbytes)
+    at = _span_at(parts, g.size, dtype, nbytes, apart)
     if at is None:
         return None
     key = (op, "span")

@@ -94,14 +94,18 @@ PyObject *pair(PyObject *, PyObject *const *args, Py_ssize_t n)
     END_HANDLE_TH_ERRORS
 }
 
-// span(parts, n, dtype, nbytes): the address of parts[0] when parts is a list
-// or tuple of n qualifying tensors of that dtype and size, none requiring grad,
-// lying back to back in memory (x.chunk(n) makes them); else None.
+// span(parts, n, dtype, nbytes[, apart]): the address of parts[0] when parts
+// is a list or tuple of n qualifying tensors of that dtype and size, none
+// requiring grad, lying back to back in memory (x.chunk(n) makes them) and
+// sharing no byte with the qualifying tensor apart (when given); else None.
 PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
     HANDLE_TH_ERRORS
-    if (!nargs("span", n, 4))
+    if (n != 5 && !nargs("span", n, 4))
         return nullptr;
+    const at::Tensor *apart = nullptr;
+    if (n == 5 && args[4] != Py_None && (apart = usable(args[4])) == nullptr)
+        Py_RETURN_NONE;
     PyObject *parts = args[0];
     if (!THPDtype_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "span: dtype must be a torch.dtype");
@@ -126,6 +130,11 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
         if (i == 0)
             base = at;
         else if (at != base + static_cast<uintptr_t>(i * step))
+            Py_RETURN_NONE;
+    }
+    if (apart != nullptr) {
+        auto at = reinterpret_cast<uintptr_t>(apart->data_ptr());
+        if (at < base + static_cast<uintptr_t>(count * step) && base < at + apart->nbytes())
             Py_RETURN_NONE;
     }
     return PyLong_FromSize_t(base);

@@ -56,10 +56,11 @@ def pair(a, b) -> Optional[tuple]:
     return na, a.dtype, tuple(a.shape), nb, b.dtype, tuple(b.shape)
 
 
-def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int) -> Optional[int]:
+def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int, apart=None) -> Optional[int]:
     """The address of ``parts[0]`` when ``parts`` is a list or tuple of ``n``
     qualifying tensors of ``dtype`` and ``nbytes`` bytes each, none requiring
-    grad, lying back to back in memory (``x.chunk(n)`` makes them); else None."""
+    grad, lying back to back in memory (``x.chunk(n)`` makes them) and sharing
+    no byte with the qualifying tensor ``apart`` (when given); else None."""
     if type(dtype) is not torch.dtype:
         raise TypeError("span: dtype must be a torch.dtype")
     if type(parts) not in (list, tuple) or n < 1 or len(parts) != n:
@@ -72,6 +73,12 @@ def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int) -> Optional[i
         if base is None:
             base = at
         elif at != base + i * nbytes:
+            return None
+    if apart is not None:
+        if not _usable(apart):
+            return None
+        at = apart.data_ptr()
+        if at < base + n * nbytes and base < at + apart.nbytes:
             return None
     return base
 
