@@ -105,6 +105,9 @@ def test_span(compiled):
         "apart inside": (parts, 3, torch.float32, 16, parts[1]),
         "apart across the end": (list(wide[:12].chunk(3)), 3, torch.float32, 16, wide[11:13]),
         "apart not a tensor": (parts, 3, torch.float32, 16, 5),
+        "apart just before": (list(wide[4:].chunk(3)), 3, torch.float32, 16, wide[:4]),
+        "apart across the start": (list(wide[4:].chunk(3)), 3, torch.float32, 16, wide[3:5]),
+        "apart not contiguous": (parts, 3, torch.float32, 16, other[::2]),
     }
     for name, args in cases.items():
         expected = facts.span(*args)
@@ -113,6 +116,8 @@ def test_span(compiled):
             assert expected == buf.data_ptr(), name
         elif name == "apart just after":
             assert expected == wide.data_ptr(), name
+        elif name == "apart just before":
+            assert expected == wide[4:].data_ptr(), name
         elif name == "one":
             assert expected == other.data_ptr()
         else:
@@ -121,6 +126,8 @@ def test_span(compiled):
         for listed in (parts, (p for p in parts)):
             with pytest.raises(TypeError, match="dtype"):
                 module.span(listed, 3, "float32", 16)
+            with pytest.raises(TypeError, match="dtype"):
+                module.span(listed, 3, "float32", 16, 5)
 
 
 @pytest.mark.parametrize("name", [n for n in TENSORS if n not in CPU_ONLY])

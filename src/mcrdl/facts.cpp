@@ -103,9 +103,6 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
     HANDLE_TH_ERRORS
     if (n != 5 && !nargs("span", n, 4))
         return nullptr;
-    const at::Tensor *apart = nullptr;
-    if (n == 5 && args[4] != Py_None && (apart = usable(args[4])) == nullptr)
-        Py_RETURN_NONE;
     PyObject *parts = args[0];
     if (!THPDtype_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "span: dtype must be a torch.dtype");
@@ -132,7 +129,10 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
         else if (at != base + static_cast<uintptr_t>(i * step))
             Py_RETURN_NONE;
     }
-    if (apart != nullptr) {
+    if (n == 5 && args[4] != Py_None) { // (checked last, as facts.py does)
+        const at::Tensor *apart = usable(args[4]);
+        if (apart == nullptr)
+            Py_RETURN_NONE;
         auto at = reinterpret_cast<uintptr_t>(apart->data_ptr());
         if (at < base + static_cast<uintptr_t>(count * step) && base < at + apart->nbytes())
             Py_RETURN_NONE;
