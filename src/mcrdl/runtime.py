@@ -164,16 +164,9 @@ def _listen(host: str, port: int = 0) -> socket.socket:
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
 
 
-#: Seconds a rank gives the launcher to forward its output before it aborts the
-#: job: mpiexec (Hydra) forwards asynchronously and an abort can cut what was printed.
-ABORT_DRAIN_S = 0.25
-
-
 def _abort_mpi_job(comm) -> None:
     print("mcrdl: a communication operation failed, so MPI_Finalize could wait forever for a "
           "missing peer: aborting the MPI job instead", file=sys.stderr, flush=True)
-    sys.stdout.flush()  # (an abort ends the process: Python's buffers would be lost)
-    time.sleep(ABORT_DRAIN_S)
     comm.Abort(1)
 
 
