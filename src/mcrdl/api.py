@@ -21,7 +21,7 @@ from .backends.base import ANY_SOURCE
 from .runtime import DEFAULT_TIMEOUT, Group, Runtime
 from .tuning import TuningTable
 from .types import CommError, P2POp, ReduceOp, UnsupportedError
-from .work import DONE, AfterAll, Done, Work, _overlap, _seconds
+from .work import DONE, AfterAll, Done, Work, _overlap, _seconds, current_stream
 
 _runtime: Optional[Runtime] = None
 
@@ -401,7 +401,7 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
         timing = None
     # CUDA: NCCL and staged MPI return once their results are stream-ordered,
     # so a timed call is timed from an idle stream to the results' arrival
-    stream = None if timing is None or device == "cpu" else torch.cuda.current_stream(ref.get_device())
+    stream = None if timing is None or device == "cpu" else current_stream(ref.get_device())
     if stream is not None:
         stream.synchronize()
     began = 0.0 if timing is None else time.perf_counter()

@@ -28,6 +28,7 @@ mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 dev = torch.device("cuda", mcrdl.get_local_rank() % torch.cuda.device_count())
 torch.cuda.set_device(dev)
+main = torch.cuda.current_stream(dev)
 check(mcrdl.available_backends()[NAME] == "live", mcrdl.available_backends())
 if torch.cuda.device_count() < mcrdl.get_world_size():  # ranks share a GPU: NCCL would refuse it
     check(mcrdl.available_backends()["nccl"] != "live", mcrdl.available_backends())
@@ -77,6 +78,8 @@ for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int64) if ORDE
                 mcrdl.isend(on(rank, n, dtype), (rank + 1) % world, tag=4, backend=NAME).wait()
                 recv.wait()
                 check(torch.equal(dst.cpu(), value((rank - 1) % world, n, dtype)), tag, "isend/irecv")
+            # the staging's side streams were made current and back (work.on_stream)
+            check(torch.cuda.current_stream(dev) == main, tag, "left", torch.cuda.current_stream(dev), "current")
 if not P2P and world > 1:
     try:
         mcrdl.send(torch.ones(1, device=dev), (rank + 1) % world, backend=NAME)
@@ -126,6 +129,7 @@ for what, reader in [("sum", "side"), ("sum", "current"), ("avg", "current"), ("
                 op = mcrdl.ReduceOp.AVG if what == "avg" else mcrdl.ReduceOp.SUM
                 work = mcrdl.all_reduce(x, op=op, backend=NAME, async_op=True)
         work.wait()
+        check(torch.cuda.current_stream(dev) == main, what, "left", torch.cuda.current_stream(dev), "current")
         if reader == "side":
             with torch.cuda.stream(side):
                 got = x.clone()

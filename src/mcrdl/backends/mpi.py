@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..types import ReduceOp
-from ..work import DONE, Pending, busy_seconds, spin_until
+from ..work import DONE, Pending, busy_seconds, current_stream, spin_until
 from . import native as native_path
 from .base import ANY_SOURCE, OPS, Backend, Context
 
@@ -322,7 +322,7 @@ class MPIBackend(Backend):
     def stream_event(t: torch.Tensor):
         """An event after the work queued so far on ``t``'s current stream."""
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(t.get_device()))
+        event.record(current_stream(t.get_device()))
         return event
 
     def defer(self, pending: DeferredPending, ready: Callable[[], Any]) -> DeferredPending:

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..work import Pending, on_stream
+from ..work import Pending, current_stream, on_stream
 from .base import Context
 from .mpi import DeferredPending, MPIBackend
 
@@ -96,7 +96,7 @@ class StagedMPIBackend(MPIBackend):
                    for t, i, o in tensors if t is not None]
         hosts = iter(e[1] for e in entries)
         args = [None if t is None else next(hosts) for t, _, _ in tensors]
-        stream = torch.cuda.current_stream(entries[0][0].get_device()) if entries and entries[0][0].is_cuda else None
+        stream = current_stream(entries[0][0].get_device()) if entries and entries[0][0].is_cuda else None
         pending = StagedPending(self, entries, lambda: start(*args), stream)
         return self.defer(pending, lambda: self.copy_in(pending))
 

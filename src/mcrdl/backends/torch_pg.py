@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..tuning import OP_CLASS
 from ..types import ReduceOp
-from ..work import Pending, on_stream
+from ..work import Pending, current_stream, on_stream
 from .base import ANY_SOURCE, Backend
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
@@ -64,7 +64,7 @@ class TorchPending(Pending):
         self.work = work
         self.lies = lies  # is_completed() stays False until wait() (gloo: reduce_scatter, send, recv)
         #: CUDA: the caller's stream at submission, which must wait for the results
-        self.stream = torch.cuda.current_stream(tensor.get_device()) if tensor is not None and tensor.is_cuda else None
+        self.stream = current_stream(tensor.get_device()) if tensor is not None and tensor.is_cuda else None
         self._waiter: Optional[threading.Event] = None
         self._error: Optional[BaseException] = None
 
