@@ -208,6 +208,7 @@ if "mpi" in backends:
     from mcrdl.backends import native
     print(f"rank {rank}: MPI hot path {native.status()}")
     lo, hi, ranks = mcrdl.api._runtime.backends["mpi"].rows_rule
-    print(f"rank {rank}: reduce_scatter_tensor by rows for outputs of {lo}-{hi} bytes, groups of <= {ranks}")
+    print(f"rank {rank}: reduce_scatter_tensor by rows " + (f"for outputs of {lo}-{hi} bytes, groups of <= {ranks}"
+                                                            if ranks else "never"))
 mcrdl.destroy_process_group()
 print(f"rank {rank}: OK {count} checks on {backends}")
