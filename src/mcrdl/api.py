@@ -464,7 +464,7 @@ def _fast_group(rt: Optional[Runtime], group: Optional[Group], async_op: bool,
     return g if type(g) is Group and g.owner is rt and g.rank >= 0 else None
 
 
-def _remember(g: Group, key: tuple, plan):
+def _remember(g: Group, key, plan):
     """Keep ``plan`` as ``g``'s plan for ``key`` (at most 4096 per group); None
     (no plan while autotune explores) is not kept."""
     if plan is None:
@@ -959,16 +959,15 @@ def _span(g: Group, op: str, parts, kind: tuple, apart=None) -> Optional[torch.T
     at = _span_at(parts, g.size, dtype, nbytes, apart)
     if at is None:
         return None
-    key = (op, "span")
-    memo = g.starters.get(key)  # (address, kind, view)
-    if memo is not None and memo[0] == at and memo[1] == kind and memo[2].data_ptr() == at:
-        return memo[2]
+    memo = g.starters.get(op)  # (address, nbytes, dtype, view), under the op's bare name (plans: tuples)
+    if memo is not None and memo[0] == at and memo[1] == nbytes and memo[2] is dtype and memo[3].data_ptr() == at:
+        return memo[3]
     try:  # a view of the first part's storage, which must hold them all
         whole = parts[0].as_strided((g.size * parts[0].numel(),), (1,))
     except RuntimeError:
         return None
     if nbytes * g.size <= SPAN_MEMO_BYTES:
-        _remember(g, key, (at, kind, whole))
+        _remember(g, op, (at, nbytes, dtype, whole))
     return whole
 
 
