@@ -29,3 +29,4 @@ def test_debug_mode_catches_mismatched_collectives():
 def test_waits_have_deadlines():
     out = run_job(2, "hazards_job.py", "timeout", timeout=120)
     assert "mpi timeout after" in out and "gloo timeout after" in out
+    assert "mpi blocking recv deadline after" in out and "gloo blocking recv deadline after" in out, out[-3000:]

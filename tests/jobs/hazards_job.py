@@ -152,6 +152,7 @@ def timeout():
             time.sleep(1.0)
             mcrdl.send(torch.full((4,), 7.0), 0, tag=9, backend=backend)
     short = mcrdl.new_group(range(world), timeout=1.0)
+    fresh = mcrdl.new_group(range(world), timeout=1.0)  # (made while every rank is here)
     for backend in ("mpi", "gloo"):
         if rank == 0:
             work = mcrdl.irecv(torch.empty(4), 1, group=short, tag=11, backend=backend)
@@ -166,6 +167,21 @@ def timeout():
             elapsed = time.perf_counter() - start
             check(0.9 < elapsed < 10, "group deadline after", elapsed)
             print(f"rank 0: {backend} group deadline after {elapsed:.2f} s")
+    # a blocking receive nobody sends to fails at the group's deadline too (gloo
+    # waits inside the library, on its process group's own timeout); on its own
+    # group, as gloo closes the connection of a receive that timed out
+    for backend in ("mpi", "gloo"):
+        if rank == 0:
+            start = time.perf_counter()
+            try:
+                mcrdl.recv(torch.empty(4), 1, group=fresh, tag=12, backend=backend)
+            except mcrdl.CommTimeoutError as exc:
+                check("recv" in str(exc) and backend in str(exc), exc)
+            else:
+                raise AssertionError("a blocking recv with no sender returned")
+            elapsed = time.perf_counter() - start
+            check(0.9 < elapsed < 10, "blocking recv deadline after", elapsed)
+            print(f"rank 0: {backend} blocking recv deadline after {elapsed:.2f} s")
 
 
 {"progress": progress, "order": order, "straddle": straddle, "debug": debug,

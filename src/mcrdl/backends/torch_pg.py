@@ -14,6 +14,7 @@ stays free for the user's code.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from datetime import timedelta
@@ -40,6 +41,12 @@ def _options(kind: type, **fields):
     return options
 
 
+#: A blocking wait whose deadline is within this of the group's whole timeout
+#: (set moments ago) waits without a timeout: the process group applies its own,
+#: as long and counted from now, so it ends no sooner, and gloo's untimed wait
+#: costs less per send/recv (docs/results/layers.md).
+FRESH_S = 0.1
+
 #: Helper threads blocked in c10d ``wait()``; joined at shutdown so none is
 #: still inside torch when the interpreter tears down.
 _WAITERS: list = []
@@ -58,11 +65,13 @@ class TorchPending(Pending):
     (reduce_scatter, send, recv) ``is_completed()`` stays False until
     ``wait()`` is called, so a mixed wait hands ``wait()`` to a helper thread."""
 
-    __slots__ = ("work", "lies", "stream", "_waiter", "_error")
+    __slots__ = ("work", "lies", "stream", "timeout_s", "_waiter", "_error")
 
-    def __init__(self, work, lies: bool = False, tensor: Optional[torch.Tensor] = None):
+    def __init__(self, work, lies: bool = False, tensor: Optional[torch.Tensor] = None,
+                 timeout_s: float = math.inf):
         self.work = work
         self.lies = lies  # is_completed() stays False until wait() (gloo: reduce_scatter, send, recv)
+        self.timeout_s = timeout_s  # the process group's own timeout, which its wait() applies unasked
         #: CUDA: the caller's stream at submission, which must wait for the results
         self.stream = current_stream(tensor.get_device()) if tensor is not None and tensor.is_cuda else None
         self._waiter: Optional[threading.Event] = None
@@ -101,7 +110,10 @@ class TorchPending(Pending):
         if self._waiter is not None:
             return self._waiter.wait(max(remaining, 0)) and self.test()
         try:
-            self._finish(self.work.wait, timedelta(seconds=max(remaining, 0.001)))
+            if 0 < self.timeout_s - FRESH_S <= remaining <= self.timeout_s:  # the group's deadline, set just
+                self._finish(self.work.wait)  # now: the library's own timeout ends no sooner, costs less
+            else:
+                self._finish(self.work.wait, timedelta(seconds=max(remaining, 0.001)))
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() and time.monotonic() >= deadline - 0.01:
                 return False
@@ -164,18 +176,31 @@ class TorchBackend(Backend):
     def version(self) -> str:
         return f"torch {torch.__version__}"
 
-    def _pending(self, work, lies: bool = False, tensor: Optional[torch.Tensor] = None) -> TorchPending:
-        return OrderedPending(work, tensor=tensor) if self.stream_ordered else TorchPending(work, lies, tensor)
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.timeouts: dict = {}  # process group -> its timeout (s)
+
+    def _pending(self, work, lies: bool = False, tensor: Optional[torch.Tensor] = None,
+                 timeout_s: float = math.inf) -> TorchPending:
+        if self.stream_ordered:
+            return OrderedPending(work, tensor=tensor)
+        return TorchPending(work, lies, tensor, timeout_s)
 
     def shutdown(self) -> None:
         join_waiters()
+        self.timeouts.clear()
 
     def _make_pg(self, store, group_rank: int, size: int, timeout: timedelta):
         raise NotImplementedError
 
     def new_group(self, ranks, group_rank, store, timeout):
         store = dist.PrefixStore(f"{self.name}/", store)
-        return self._make_pg(store, group_rank, len(ranks), timedelta(seconds=timeout))
+        pg = self._make_pg(store, group_rank, len(ranks), timedelta(seconds=timeout))
+        self.timeouts[pg] = timeout
+        return pg
+
+    def destroy_group(self, handle) -> None:
+        self.timeouts.pop(handle, None)
 
     # -- operations --------------------------------------------------------------
     def all_reduce(self, pg, tensor, op):
@@ -216,12 +241,11 @@ class TorchBackend(Backend):
         return TorchPending(pg.barrier(dist.BarrierOptions()))
 
     def send(self, pg, tensor, peer, tag):
-        return self._pending(pg.send([tensor], peer, tag), lies=True, tensor=tensor)
+        return self._pending(pg.send([tensor], peer, tag), True, tensor, self.timeouts.get(pg, math.inf))
 
     def recv(self, pg, tensor, peer, tag):
-        if peer == ANY_SOURCE:
-            return self._pending(pg.recv_anysource([tensor], tag), lies=True, tensor=tensor)
-        return self._pending(pg.recv([tensor], peer, tag), lies=True, tensor=tensor)
+        work = pg.recv_anysource([tensor], tag) if peer == ANY_SOURCE else pg.recv([tensor], peer, tag)
+        return self._pending(work, True, tensor, self.timeouts.get(pg, math.inf))
 
 
 class GlooBackend(TorchBackend):
@@ -277,6 +301,7 @@ class NCCLBackend(TorchBackend):
         return "nccl " + ".".join(map(str, torch.cuda.nccl.version()))
 
     def destroy_group(self, handle) -> None:
+        super().destroy_group(handle)
         if handle in self.pgs:
             self.pgs.remove(handle)
             handle.shutdown()
