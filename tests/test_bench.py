@@ -496,9 +496,10 @@ def test_blocking_floor_benchmark_builds_and_times_every_op_in_every_form(tmp_pa
 def test_autotune_benchmark_records_both_conditions(tmp_path):
     """Idle and one-core-busy demos, every workload; every autotuned run
     finished exploring within the warm-up and says what it learned (trial
-    blocks of 10 ms, so that a trial ends within 10 steps)."""
+    blocks of 10 ms: a trial is 8 blocks, 80 ms of calls, which 10 steps of
+    dlrm did not always span in CI; 30 steps leave room)."""
     proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "autotune.py", "--rounds", "1", "--steps", "1",
-                           "--warmup", "10", "--out", tmp_path / "autotune", "--runs", tmp_path / "runs"],
+                           "--warmup", "30", "--out", tmp_path / "autotune", "--runs", tmp_path / "runs"],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "MCRDL_AUTOTUNE_BLOCK_MS": "10"})
     ok(proc)

@@ -84,7 +84,7 @@ def test_late_collective_is_not_withdrawn(tmp_path):
     out, rc = run_job_rc(2, "ordered_job.py", "late", tmp_path, timeout=120)
     verdicts = {f.name: f.read_text() for f in tmp_path.iterdir()}
     assert verdicts == {f"rank{r}": "late collective OK\n" for r in range(2)}, (verdicts, out[-3000:])
-    assert rc != 0 and "job killed" not in out, (rc, out[-3000:])  # aborted, not hung in MPI_Finalize
+    assert rc not in (0, 124), (rc, out[-3000:])  # aborted, not hung in MPI_Finalize (the launcher's kill: 124)
 
 
 def test_backend_live_on_some_ranks_is_left_out_everywhere():

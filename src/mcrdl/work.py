@@ -127,6 +127,8 @@ def current_stream(index: int) -> "torch.cuda.Stream":
     key = torch._C._cuda_getCurrentStream(index)
     stream = _STREAMS.get(key)
     if stream is None:  # (id, device index, device type): a Stream is those three, nothing more
+        if len(_STREAMS) >= 1024:  # (external streams come and go)
+            _STREAMS.clear()
         stream = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
     return stream
 
