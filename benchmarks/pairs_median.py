@@ -1,6 +1,7 @@
-"""Median over pairs of the hotpath.py table lines that latency_vs_commit.sh
-keeps (KEEP='│'): one markdown row per op, each cell "REV → this tree" for
-back to back and for barrier between, per size; then how many cells fell.
+"""Median over pairs of the table lines (hotpath.py, layers.py) that
+latency_vs_commit.sh keeps (KEEP='│'): one markdown row per op, each cell
+"REV → this tree" for every ratio in the table's cell (hotpath: back to back,
+barrier between), per size; then how many cells fell.
 
     BENCH=hotpath.py KEEP='│' bash benchmarks/latency_vs_commit.sh REV 5 4,1K > out.txt
     python benchmarks/pairs_median.py out.txt
@@ -23,7 +24,7 @@ def medians(path: str) -> dict:
                 tree = pair.group(1).strip()
             elif line.startswith("│"):
                 op, *cells = [c.strip() for c in line.strip().strip("│").split("│")]
-                ratios = [float(v.strip().rstrip("x")) for c in cells for v in c.split("/")]
+                ratios = [float(v) for c in cells for v in re.findall(r"(\d+(?:\.\d+)?)x", c)]
                 for i, r in enumerate(ratios):
                     found[(op, i, tree)].append(r)
     return found
