@@ -4,7 +4,8 @@
 # Runs from the source tree with the machine's python3 (torch with CUDA, mpi4py
 # on whatever MPI it has); each step has its own time limit, and a failed step
 # does not stop the next (ops_job checks every op on CPU tensors under the
-# machine's MPI, where the compiled paths meet it). Writes session.log and the bench JSONs to OUTDIR.
+# machine's MPI, where the compiled paths meet it). Writes session.log and the
+# bench JSONs to OUTDIR.
 # CUDA_TESTS: a pytest -k expression (default: all); BENCH_VARIANTS: the 2-rank
 # bench's backends (default mpi_staged,gloo).
 set -u
