@@ -24,7 +24,7 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "FAULT_TIMEOUT": str(TIMEOUT),
        "MCRDL_HEARTBEAT_S": str(HEARTBEAT)}
 # Slack over the timeout: the heartbeat settle window plus a loaded 2-core machine.
 SLACK = 4.0
-OPS = ("all_reduce", "broadcast", "irecv")
+OPS = ("all_reduce", "broadcast", "recv")
 KILL_SLACK = 1.0  # a loaded 2-core machine, over the watchdog's second
 
 
@@ -83,7 +83,7 @@ def _mpiexec(n: int, args, report_dir: Path, extra=()) -> subprocess.CompletedPr
 
 
 @pytest.mark.parametrize("nprocs,when,victim", [
-    (2, "collective", 1), (2, "async", 1), (2, "between", 1), (2, "collective", 0),
+    (2, "collective", 1), (2, "async", 1), (2, "between", 1), (2, "collective", 0), (2, "p2p", 1),
     (4, "collective", 2), (4, "async", 1), (4, "between", 3), (4, "async", 0)])
 def test_killed_rank_is_named_by_every_survivor(tmp_path, nprocs, when, victim):
     """The watchdog names the dead rank within a second of its death (0.5 s into

@@ -6,7 +6,8 @@ end with an error naming op, backend and (when it can be known) the peer.
 BACKEND: mpi | gloo | mixed (MPI and gloo work outstanding together).
 WHEN: collective (victim fails while peers are inside a blocking op),
       async (peers have async ops outstanding, including p2p with the victim),
-      between (victim fails after an op completed; peers then start the next).
+      between (victim fails after an op completed; peers then start the next),
+      p2p (the victim's neighbour is inside a blocking recv from it).
 ACTION: kill (SIGKILL) | stall (stops calling, process alive).
 Each survivor appends every error as it catches it to REPORT_DIR/rank<R>.jsonl
 (seconds from the fault step, message) and creates REPORT_DIR/done<R> at the
@@ -50,6 +51,10 @@ def fail() -> None:
 def start_ops(async_op: bool):
     """The fault step's ops on this rank; the victim is a p2p peer of rank (victim+1)."""
     works = []
+    if when == "p2p":
+        if rank == (victim + 1) % world:
+            mcrdl.recv(torch.empty(10), src=victim, backend=backends[0])
+        return works
     for b in backends:
         works.append(mcrdl.all_reduce(torch.ones(1000), backend=b, async_op=async_op))
         if async_op:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..tuning import OP_CLASS
 from ..types import ReduceOp
-from ..work import Pending, current_stream, on_stream
+from ..work import DONE, Pending, current_stream, on_stream
 from .base import ANY_SOURCE, Backend
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
@@ -145,6 +145,23 @@ class TorchPending(Pending):
         self._waiter.set()
 
 
+class WaitedPending(TorchPending):
+    """A send/recv whose untimed ``wait()`` (inside its start, see
+    :meth:`TorchBackend.starter`) raised ``error``: blocking on it reports that
+    error, a timeout as a missed deadline (gloo applied the group's own)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, work, error: RuntimeError):
+        super().__init__(work, lies=True)
+        self.error = error
+
+    def block(self, deadline: float) -> bool:
+        if "timed out" in str(self.error).lower():
+            return False
+        raise self.error
+
+
 class OrderedPending(TorchPending):
     """A c10d ``Work`` of a library that orders its results on the caller's
     stream itself (NCCL). Waited for (a blocking op, ``Work.wait()``), it is
@@ -185,6 +202,26 @@ class TorchBackend(Backend):
         if self.stream_ordered:
             return OrderedPending(work, tensor=tensor)
         return TorchPending(work, lies, tensor, timeout_s)
+
+    def starter(self, op, pg, timeout, tensors, *fixed):
+        """A blocking send/recv to or from one peer waits inside its start with
+        the untimed ``wait()``, which applies the group's own timeout (this
+        plan's): the layers' frames after a wake-up cost more than their
+        Python (docs/results/layers.md). Anything else: the default."""
+        if (op not in ("send", "recv") or fixed[0] == ANY_SOURCE or self.stream_ordered
+                or timeout != self.timeouts.get(pg)):
+            return super().starter(op, pg, timeout, tensors, *fixed)
+        peer, tag = fixed
+        begin = pg.send if op == "send" else pg.recv
+
+        def start(t):
+            work = begin([t], peer, tag)
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                return WaitedPending(work, exc)
+            return DONE
+        return start
 
     def shutdown(self) -> None:
         join_waiters()
