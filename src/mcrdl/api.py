@@ -1222,6 +1222,11 @@ def _p2p_fast(op: str, tensor, peer, group, tag, backend, async_op: bool = False
     name, start, gpeer = g.starters.get(key) or _remember(
         g, key, _p2p_fast_plan(rt, g, op, tensor, peer, tag, backend, async_op))
     reads, writes = ((tensor,), ()) if op in _SENDS else ((), (tensor,))
+    if not async_op and rt.logger is None:  # _fast's unlogged blocking case, inline: one call fewer
+        pending = start(tensor)
+        if pending is not DONE:
+            rt.engine.block(op, name, pending, g, reads, writes)
+        return True
     work = _fast(rt, g, op, name, start, (tensor,), nbytes, reads, writes, (tensor,), async_op, gpeer,
                  skip_empty=False)
     return work if async_op else True
