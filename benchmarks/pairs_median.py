@@ -1,10 +1,11 @@
 """Median over pairs of the table lines (hotpath.py, layers.py) that
 latency_vs_commit.sh keeps (KEEP='│'): one markdown row per op, each cell
 "REV → this tree" for every ratio in the table's cell (hotpath: back to back,
-barrier between), per size; then how many cells fell.
+barrier between), per size; then how many cells fell. ``--spread`` adds this
+tree's lowest and highest ratio over the pairs to each cell.
 
     BENCH=hotpath.py KEEP='│' bash benchmarks/latency_vs_commit.sh REV 5 4,1K > out.txt
-    python benchmarks/pairs_median.py out.txt
+    python benchmarks/pairs_median.py out.txt [--spread]
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def medians(path: str) -> dict:
     return found
 
 
-def main(path: str) -> None:
+def main(path: str, spread: bool = False) -> None:
     found = medians(path)
     before, after = sorted({k[2] for k in found}, key=lambda t: t == "this tree")
     fell = rose = 0
@@ -39,7 +40,8 @@ def main(path: str) -> None:
         cells = []
         for i in range(1 + max(k[1] for k in found if k[0] == op)):
             a, b = (statistics.median(found[(op, i, t)]) for t in (before, after))
-            cells.append(f"{a:.2f} → {b:.2f}")
+            mine = found[(op, i, after)]
+            cells.append(f"{a:.2f} → {b:.2f}" + (f" ({min(mine):.2f}–{max(mine):.2f})" if spread else ""))
             fell, rose = fell + (b < a), rose + (b > a)
             changes.append(b / a)
         print(f"| {op} | " + " | ".join(cells) + " |")
@@ -48,4 +50,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--spread" in sys.argv[2:])
