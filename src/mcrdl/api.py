@@ -1213,23 +1213,29 @@ def _p2p_fast(op: str, tensor, peer, group, tag, backend, async_op: bool = False
     """The fast path (see "fast paths") of send/recv (True once done) and
     isend/irecv (their Work); None when the call must take the general path."""
     rt = _runtime
-    g = _fast_group(rt, group, async_op, backend, async_ok=True)
-    kind = None if g is None or type(peer) is not int or type(tag) is not int else _key(tensor)
+    if (rt is None or rt.debug or rt.engine.lost or (rt.engine.outstanding and not async_op)
+            or not (backend is None or type(backend) is str) or type(peer) is not int or type(tag) is not int):
+        return None  # (_fast_group's checks inline: a blocking receive's reply runs them on a cold core)
+    g = rt.world if group is None else group
+    kind = _key(tensor) if type(g) is Group and g.owner is rt and g.rank >= 0 else None
     if kind is None:
         return None
-    nbytes = kind[0]
     key = (op, kind, backend, peer, tag)
     name, start, gpeer = g.starters.get(key) or _remember(
         g, key, _p2p_fast_plan(rt, g, op, tensor, peer, tag, backend, async_op))
-    reads, writes = ((tensor,), ()) if op in _SENDS else ((), (tensor,))
-    if not async_op and rt.logger is None:  # _fast's unlogged blocking case, inline: one call fewer
+    if not async_op and rt.logger is None:  # _fast's unlogged blocking case, inline
         pending = start(tensor)
         if pending is not DONE:
-            rt.engine.block(op, name, pending, g, reads, writes)
+            rt.engine.block(op, name, pending, g, *_p2p_touches(op, tensor))
         return True
-    work = _fast(rt, g, op, name, start, (tensor,), nbytes, reads, writes, (tensor,), async_op, gpeer,
-                 skip_empty=False)
+    work = _fast(rt, g, op, name, start, (tensor,), kind[0], *_p2p_touches(op, tensor), (tensor,), async_op,
+                 gpeer, skip_empty=False)
     return work if async_op else True
+
+
+def _p2p_touches(op: str, tensor) -> tuple:
+    """(reads, writes) of a send or receive."""
+    return ((tensor,), ()) if op in _SENDS else ((), (tensor,))
 
 
 def _p2p_fast_plan(rt: Runtime, g: Group, op: str, tensor: torch.Tensor, peer: int, tag: int,
