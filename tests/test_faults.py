@@ -13,10 +13,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from conftest import JOBS
+from mcrdl.work import DONE, Engine
 
 TIMEOUT = 4.0  # group timeout inside the jobs (s)
 HEARTBEAT = 0.25
@@ -172,3 +175,14 @@ def test_small_soak_every_ending_is_clean(tmp_path):
     doc = json.loads(Path(f"{out}.json").read_text())
     bad = [r for r in doc["results"] if not r["clean"]]
     assert doc["jobs"] == 16 and not bad, (proc.stdout[-2000:], bad)
+
+
+def test_an_op_done_in_its_start_is_not_failed_for_a_death_noted_meanwhile():
+    """A blocking op that ran to completion inside its start (a gloo send/recv,
+    a compiled MPI call) still runs its completion steps (the logger's) when
+    the watchdog noted a death while it waited: it completed, so it did not fail."""
+    engine, ran = Engine(), []
+    engine.note_death(2, "rank 2 died (its process ended)")
+    group = SimpleNamespace(ranks=[0, 1, 2], timeout=5.0)
+    engine.block("recv", "gloo", DONE, group, (), (torch.zeros(1),), post=[lambda: ran.append("post")])
+    assert ran == ["post"]

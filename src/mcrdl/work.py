@@ -679,7 +679,7 @@ class Engine:
         """Wait for a blocking op inside its own library (the caller checked
         that nothing outstanding needs another library's progress), then run
         ``post``. ``reads``/``writes``: what it touches, kept alive if it is abandoned."""
-        if self.lost:
+        if self.lost and pending is not DONE:  # (DONE: it ran to completion in its start)
             self._refuse_if_died(op, backend, pending, group, reads, writes, result)
         try:
             if self._block_watched(pending, time.monotonic() + group.timeout, op, backend, group):

@@ -7,7 +7,7 @@ BACKEND: mpi | gloo | mixed (MPI and gloo work outstanding together).
 WHEN: collective (victim fails while peers are inside a blocking op),
       async (peers have async ops outstanding, including p2p with the victim),
       between (victim fails after an op completed; peers then start the next),
-      p2p (the victim's neighbour is inside a blocking recv from it).
+      p2p (2 ranks: the survivor is inside a blocking recv from the victim).
 ACTION: kill (SIGKILL) | stall (stops calling, process alive).
 Each survivor appends every error as it catches it to REPORT_DIR/rank<R>.jsonl
 (seconds from the fault step, message) and creates REPORT_DIR/done<R> at the

@@ -87,9 +87,10 @@ class Backend:
         *fixed)``. ``tensors``: the plan's tensors (``None`` where a rank has
         none); later calls pass contiguous CPU tensors of the same shapes and
         dtypes. A backend may finish the op inside ``start`` (within ``timeout``
-        s) and return a completed Pending; a ``timeout`` of 0 (the async fast
-        paths) asks for the op started, not waited for. Optional: the default
-        is :meth:`nonblocking`."""
+        s) and return :data:`~mcrdl.work.DONE`, or a Pending whose ``block``
+        reports how it failed; a ``timeout`` of 0 (the async fast paths) asks
+        for the op started, not waited for. Optional: the default is
+        :meth:`nonblocking`."""
         return self.nonblocking(op, h, *fixed)
 
     def nonblocking(self, op: str, h, *fixed) -> Callable[..., Pending]:

@@ -146,20 +146,23 @@ class TorchPending(Pending):
 
 
 class WaitedPending(TorchPending):
-    """A send/recv whose untimed ``wait()`` (inside its start, see
-    :meth:`TorchBackend.starter`) raised ``error``: blocking on it reports that
-    error, a timeout as a missed deadline (gloo applied the group's own)."""
+    """A send/recv whose untimed ``wait()`` inside its start
+    (:meth:`TorchBackend.starter`) failed: blocking on it reports the failure,
+    as a missed deadline when gloo's wait ran out the group's own timeout."""
 
-    __slots__ = ("error",)
+    __slots__ = ("failure", "timed_out")
+    #: one block, which reports the failure (the wait already took its time)
+    resumable_block = False
 
-    def __init__(self, work, error: RuntimeError):
+    def __init__(self, work, failure: RuntimeError, timed_out: bool):
         super().__init__(work, lies=True)
-        self.error = error
+        self.failure = failure
+        self.timed_out = timed_out
 
     def block(self, deadline: float) -> bool:
-        if "timed out" in str(self.error).lower():
+        if self.timed_out:
             return False
-        raise self.error
+        raise self.failure
 
 
 class OrderedPending(TorchPending):
@@ -204,10 +207,13 @@ class TorchBackend(Backend):
         return TorchPending(work, lies, tensor, timeout_s)
 
     def starter(self, op, pg, timeout, tensors, *fixed):
-        """A blocking send/recv to or from one peer waits inside its start with
-        the untimed ``wait()``, which applies the group's own timeout (this
-        plan's): the layers' frames after a wake-up cost more than their
-        Python (docs/results/layers.md). Anything else: the default."""
+        """A blocking send/recv with one peer waits inside its start, with the
+        untimed ``wait()``: gloo applies the process group's timeout, the
+        group's, so the deadline holds. Code that runs after gloo wakes the
+        caller runs on a cold core and costs several times its own time
+        (docs/results/layers.md), so no Pending or engine wait follows a
+        completed one; a failed one returns a :class:`WaitedPending`. Other
+        ops: the default."""
         if (op not in ("send", "recv") or fixed[0] == ANY_SOURCE or self.stream_ordered
                 or timeout != self.timeouts.get(pg)):
             return super().starter(op, pg, timeout, tensors, *fixed)
@@ -216,10 +222,12 @@ class TorchBackend(Backend):
 
         def start(t):
             work = begin([t], peer, tag)
+            began = time.monotonic()
             try:
                 work.wait()
-            except RuntimeError as exc:
-                return WaitedPending(work, exc)
+            except RuntimeError as exc:  # (gloo says "timed out" of a connection's timeout too)
+                ran_out = "timed out" in str(exc).lower() and time.monotonic() - began >= timeout - FRESH_S
+                return WaitedPending(work, exc, ran_out)
             return DONE
         return start
 
