@@ -64,6 +64,7 @@ _REDUCE_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRO
 #: int(torch's RedOpType) -> mcrdl ReduceOp: the same table keyed by the enum's
 #: value (a pybind enum's ``name``, and even its ``==``, costs a microsecond per call).
 _REDUCE_KINDS = {int(getattr(dist.ReduceOp.RedOpType, n)): op for n, op in _REDUCE_OPS.items()}
+_TORCH_SUM = dist.ReduceOp.SUM  # (a torch ReduceOp compares with it in 0.13 µs)
 
 
 class BackendError(RuntimeError):
@@ -185,6 +186,8 @@ def init_process_group(timeout=None, mcrdl_options: Optional[dict] = None, **tor
 # -- reduce ops, timeouts ----------------------------------------------------------------------
 def _reduce_op(op, what: str, dtype: torch.dtype) -> ReduceOp:
     """torch ``ReduceOp`` (or its RedOpType) -> mcrdl ReduceOp, or a clear refusal."""
+    if type(op) is dist.ReduceOp and op == _TORCH_SUM:  # most calls: 0.13 µs, the lookup below 0.43
+        return ReduceOp.SUM
     kind = getattr(op, "op", op)  # ReduceOp -> RedOpType
     try:
         known = _REDUCE_KINDS.get(int(kind))
