@@ -213,9 +213,9 @@ class TorchBackend(Backend):
         caller runs on a cold core and costs several times its own time
         (docs/results/layers.md), so no Pending or engine wait follows a
         completed one; a failed one returns a :class:`WaitedPending`. Other
-        ops: the default."""
+        ops, and a subclass's own send or recv: the default."""
         if (op not in ("send", "recv") or fixed[0] == ANY_SOURCE or self.stream_ordered
-                or timeout != self.timeouts.get(pg)):
+                or timeout != self.timeouts.get(pg) or getattr(type(self), op) is not getattr(TorchBackend, op)):
             return super().starter(op, pg, timeout, tensors, *fixed)
         peer, tag = fixed
         begin = pg.send if op == "send" else pg.recv
