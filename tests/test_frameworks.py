@@ -4,10 +4,14 @@ Each example in examples/frameworks/ runs under `mcrdl run` once with
 ``--backend gloo`` and once with ``--backend mcrdl``: at 2 ranks the per-step
 losses must be bitwise identical; at 4 ranks they must agree to float32
 rounding (a sum over 4 ranks may be added in another order by MPI than by gloo).
-Two run under torchrun too, where mcrdl has no MPI and routes every op to gloo.
+Some run under other launchers too (torchrun, DeepSpeed's, Lightning's), where
+mcrdl starts MPI over the launcher's store: its communication log must show ops on
+MPI, and the losses must still equal gloo's.
 """
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import warnings
@@ -41,41 +45,81 @@ def deepspeed(tmp_path_factory):
     assert proc.returncode == 0, f"DeepSpeed's shm op did not build:\n{(proc.stdout + proc.stderr)[-4000:]}"
 
 
-def run_example(nprocs, script, backend, *args, launcher="mpiexec", timeout=480):
-    """Run examples/frameworks/<script> on ``nprocs`` ranks; return rank 0's RESULT.
+def launch_command(launcher, nprocs, script, args, timeout):
+    """The command line starting ``script`` on ``nprocs`` local ranks with ``launcher``:
+    mpiexec or torchrun (through `mcrdl run`), DeepSpeed's own launcher, or Lightning's
+    (the script run as is: the Trainer starts the other ranks)."""
+    path = str(EXAMPLES / script)
+    if launcher in ("mpiexec", "torchrun"):
+        return [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", launcher, "-n", str(nprocs),
+                "--timeout", str(timeout), path, *args]
+    if launcher == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), path, *args]
+    if launcher == "lightning":
+        return [sys.executable, path, *args, "--devices", str(nprocs)]
+    raise ValueError(launcher)
+
+
+def run(cmd, env, timeout):
+    """``cmd``'s exit status and output; on a timeout its whole process group is killed
+    (a launcher's ranks with it)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n(killed after {timeout} s)"
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="session")
+def lightning():
+    """Lightning importable (skips, saying how to get it, where it is not)."""
+    proc = subprocess.run([sys.executable, "-c", "import lightning"], capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        pytest.skip("lightning is not importable; pip install lightning to run this test")
+
+
+def run_example(nprocs, script, backend, *args, launcher="mpiexec", timeout=480, env=None):
+    """Run examples/frameworks/<script> on ``nprocs`` ranks; return rank 0's RESULT and the
+    job's output.
 
     A gloo reference run that aborts at exit after its RESULT ("terminate called
     without an active exception": torch's gloo worker thread drops the last
     reference to a finished all_reduce's tensors while the interpreter is
     finalizing) is run once more; any other failure, and any on mcrdl, fails."""
-    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", launcher, "-n", str(nprocs),
-           "--timeout", str(timeout), str(EXAMPLES / script), "--backend", backend, *args]
+    cmd = launch_command(launcher, nprocs, script, [*args, "--backend", backend], timeout)
     what = " ".join([script, *args, "--backend", backend, "under", launcher])
     for attempt in (1, 2):
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV},
-                              timeout=timeout + 30)
-        out = proc.stdout + proc.stderr
-        results = [line[len("RESULT "):] for line in proc.stdout.splitlines()
-                   if line.startswith("RESULT ")]
+        rc, stdout, stderr = run(cmd, {**os.environ, **ENV, **(env or {})}, timeout + 30)
+        out = stdout + stderr
+        results = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
         exit_abort = (backend == "gloo" and len(results) == 1
                       and "terminate called without an active exception" in out)
-        if proc.returncode == 0 or not exit_abort or attempt == 2:
+        if rc == 0 or not exit_abort or attempt == 2:
             break
         warnings.warn(f"{what} on {nprocs} ranks aborted at exit after its RESULT (torch's gloo "
                       f"exit race); run again")
-    if proc.returncode != 0 or len(results) != 1:
-        pytest.fail(f"{what} on {nprocs} ranks exited "
-                    f"{proc.returncode} with {len(results)} RESULT lines:\n{out[-6000:]}")
+    if rc != 0 or len(results) != 1:
+        pytest.fail(f"{what} on {nprocs} ranks exited {rc} with {len(results)} RESULT lines:\n{out[-6000:]}")
     result = json.loads(results[0])
     assert (result["backend"], result["world"]) == (backend, nprocs)
-    return result
+    return result, out
 
 
 def gloo_and_mcrdl(nprocs, script, *args, launcher="mpiexec"):
-    gloo = run_example(nprocs, script, "gloo", *args, launcher=launcher)["losses"]
-    mcrdl = run_example(nprocs, script, "mcrdl", *args, launcher=launcher)["losses"]
-    assert len(gloo) == len(mcrdl) > 0
-    return gloo, mcrdl
+    """Both backends' losses. On mcrdl the communication log is on: every launcher must
+    leave MPI live, and the log's summary (rank 0) must show ops that MPI ran."""
+    gloo = run_example(nprocs, script, "gloo", *args, launcher=launcher)[0]["losses"]
+    result, out = run_example(nprocs, script, "mcrdl", *args, launcher=launcher,
+                              env={"MCRDL_COMMS_LOG": "1"})
+    assert "MPI is not live" not in out and re.search(r"\b\w+/mpi\b", out), \
+        f"no op ran on MPI under {launcher}:\n{out[-4000:]}"
+    assert len(gloo) == len(result["losses"]) > 0
+    return gloo, result["losses"]
 
 
 CASES = [
@@ -87,13 +131,20 @@ CASES = [
     pytest.param("fsdp2.py", [], id="fsdp2"),
     pytest.param("dtensor_mesh.py", ["--mode", "tp"], id="dtensor_mesh_tp"),
     pytest.param("dtensor_mesh.py", ["--mode", "hsdp"], id="dtensor_mesh_hsdp"),
+    pytest.param("lightning_ddp.py", [], id="lightning_ddp"),
 ]
+
+
+def needs(request, script):
+    """The framework's fixture (skips where it does not import)."""
+    for prefix in ("deepspeed", "lightning"):
+        if script.startswith(prefix):
+            request.getfixturevalue(prefix)
 
 
 @pytest.mark.parametrize("script,args", CASES)
 def test_two_ranks_losses_identical_to_gloo(request, script, args):
-    if script.startswith("deepspeed"):
-        request.getfixturevalue("deepspeed")
+    needs(request, script)
     gloo, mcrdl = gloo_and_mcrdl(2, script, *args)
     assert mcrdl == gloo  # bitwise: the same floats, step by step
 
@@ -104,21 +155,36 @@ def test_two_ranks_losses_identical_to_gloo(request, script, args):
     pytest.param("dtensor_mesh.py", ["--mode", "tp"], id="dtensor_mesh_tp"),
 ])
 def test_four_ranks_losses_match_gloo(request, script, args):
-    if script.startswith("deepspeed"):
-        request.getfixturevalue("deepspeed")
+    needs(request, script)
     gloo, mcrdl = gloo_and_mcrdl(4, script, *args)
     assert mcrdl == pytest.approx(gloo, rel=1e-5, abs=0)
 
 
-@pytest.mark.parametrize("script,args", [
-    pytest.param("deepspeed_moe.py", ["--k", "2"], id="deepspeed_moe_top2"),
+@pytest.mark.parametrize("script,args,launcher", [
+    pytest.param("deepspeed_moe.py", ["--k", "2"], "torchrun", id="deepspeed_moe_top2-torchrun"),
+    pytest.param("deepspeed_zero.py", ["--stage", "3"], "torchrun", id="deepspeed_zero3-torchrun"),
     # DTensor's distribute_tensor scatters 2-D blocks: gloo refused them until torch_pg.scatter
     # shaped its blocks like the output (tests/jobs/regressions_job.py multidim_blocks)
-    pytest.param("dtensor_mesh.py", ["--mode", "tp"], id="dtensor_mesh_tp"),
+    pytest.param("dtensor_mesh.py", ["--mode", "tp"], "torchrun", id="dtensor_mesh_tp-torchrun"),
+    pytest.param("lightning_ddp.py", [], "torchrun", id="lightning_ddp-torchrun"),
+    pytest.param("deepspeed_zero.py", ["--stage", "3"], "deepspeed", id="deepspeed_zero3-deepspeed"),
 ])
-def test_under_torchrun_losses_identical_to_gloo(request, script, args):
-    """Under torchrun MPI is not live, so mcrdl runs every op on its own gloo groups."""
-    if script.startswith("deepspeed"):
-        request.getfixturevalue("deepspeed")
-    gloo, mcrdl = gloo_and_mcrdl(2, script, *args, launcher="torchrun")
+def test_other_launchers_run_mpi_and_match_gloo(request, script, args, launcher):
+    """torchrun's and DeepSpeed's launchers start ranks with no MPI: mcrdl starts MPI
+    over their store, and the losses are gloo's, bitwise."""
+    needs(request, script)
+    gloo, mcrdl = gloo_and_mcrdl(2, script, *args, launcher=launcher)
     assert mcrdl == gloo
+
+
+def test_lightning_launcher_falls_back_loudly(request):
+    """Lightning's own launcher (the script run as is, devices=2) probes for an MPI launcher
+    by starting MPI (mpi4py's import, a singleton of one process) before torch's
+    rendezvous: MPI cannot join those processes any more. mcrdl says so at init, with
+    what to do, and trains on gloo with gloo's losses."""
+    needs(request, "lightning")
+    gloo = run_example(2, "lightning_ddp.py", "gloo", launcher="lightning")[0]["losses"]
+    result, out = run_example(2, "lightning_ddp.py", "mcrdl", launcher="lightning")
+    assert "mcrdl: MPI is not live" in out and "LightningEnvironment()" in out, out[-3000:]
+    assert out.count("mcrdl: MPI is not live") == 1  # said once, by rank 0
+    assert result["losses"] == gloo

@@ -67,3 +67,8 @@ def test_tests_passing_on_gloo_pass_on_mcrdl(tmp_path):
               if not (t in TORCH_GATED and TORCH_GATED[t] in e["reason"])}
     assert not broken, "pass on gloo, not on mcrdl (rank logs in %s):\n%s" % (
         tmp_path / "logs", "\n".join(f"  {t}: {e['status']}: {e['reason']}" for t, e in broken.items()))
+    # the suite spawns its ranks itself (file:// rendezvous, no MPI launcher): MPI is live in each
+    # all the same, started over torch's store (mcrdl.pmi)
+    no_mpi = {t: e.get("live") for t, e in mcrdl["tests"].items()
+              if e["status"] == "passed" and "mpi" not in e.get("live", [])}
+    assert not no_mpi, f"tests that passed on mcrdl without MPI live in every rank: {no_mpi}"

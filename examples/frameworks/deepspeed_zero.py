@@ -31,6 +31,7 @@ def main():
     p.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (unused)")
     args = p.parse_args()
 
     deepspeed.init_distributed(dist_backend=args.backend)

@@ -15,7 +15,8 @@ import torch
 
 from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
-from .backends.mpi import import_mpi, library_name, mpi_launched
+from . import pmi
+from .backends.mpi import init_launched, library_name, mpi_launched
 from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
@@ -271,10 +272,13 @@ class Runtime:
         self._group_count = 0  # mcrdl.new_group calls (every rank makes them, in the same order)
         self.local_cpus: Optional[int] = None  # known when MPI launched the job: _local_from_mpi
         self.shared_gpu = False  # this host's ranks would share a GPU (MPI-launched jobs: _local_from_mpi)
+        #: why MPI is not live though asked for (no MPI launcher, and no PMI service either)
+        self.mpi_missing: Optional[str] = None
+        self.store_host: Optional[int] = None  # the rank whose process serves the store (_make_store)
         if store is None:
-            self._launch()
+            self._launch("mpi" in requested)
         else:
-            self._join(store, rank, world_size)
+            self._join(store, rank, world_size, "mpi" in requested)
         #: "spin" or "yield": how waits use the CPU (MCRDL_WAIT, work.set_wait_policy)
         self.wait_policy = set_wait_policy(wait, self.local_size, self.local_cpus)
         self.unavailable: dict[str, str] = {}
@@ -284,9 +288,7 @@ class Runtime:
             self.store = self._make_store()
         self.health = None
         if self.store is not None and beat > 0 and self.world_size > 1:
-            serving = 0 if store is None and (self.mpi_comm is not None or
-                                              os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True") else None
-            self.health = Health(self.store, self.rank, beat, serving)
+            self.health = Health(self.store, self.rank, beat, self.store_host)
         self._abort_at_exit = False
         self.watchdog = None
         if self.store is not None and self.world_size > 1 and watchdog_enabled():
@@ -296,7 +298,7 @@ class Runtime:
                                      self._peer_died, timeout)
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store,
-                                 self.shared_gpu)
+                                 self.shared_gpu, self.mpi_missing)
         failed = None  # a backend's start raised: every rank must hear of it, not wait below
         for name in requested:
             reason = REGISTRY[name].unavailable_reason(ctx)
@@ -360,11 +362,12 @@ class Runtime:
             warnings.warn(f"mcrdl: backend {name!r} is left out: it did not start on ranks {missing}")
 
     # -- launch and rendezvous ---------------------------------------------------
-    def _launch(self) -> None:
-        """Identity from the launcher: MPI (mpiexec/srun), torchrun env, or a single process."""
+    def _launch(self, want_mpi: bool) -> None:
+        """Identity from the launcher: MPI (mpiexec/srun), torchrun's environment (then MPI
+        over the store, :mod:`mcrdl.pmi`), or a single process."""
         env = os.environ
         if mpi_launched() or not ("RANK" in env and "WORLD_SIZE" in env):
-            MPI = import_mpi()
+            MPI = init_launched()
             self.mpi_comm = MPI.COMM_WORLD
             self.rank, self.world_size = self.mpi_comm.Get_rank(), self.mpi_comm.Get_size()
             _check_launch_size(self.world_size, MPI)
@@ -373,6 +376,23 @@ class Runtime:
             self.rank, self.world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
             self.local_rank = int(env.get("LOCAL_RANK", 0))
             self.local_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+            if want_mpi:
+                self.store = self._make_store()
+                self._mpi_over_store()
+
+    def _mpi_over_store(self) -> None:
+        """MPI over the store's ranks, when no MPI launcher started them (:mod:`mcrdl.pmi`);
+        where it cannot start, rank 0 says why once and the job runs on the rest."""
+        MPI, why = pmi.bring_up(self.store, self.rank, self.world_size, self.timeout)
+        if MPI is None:
+            self.mpi_missing = f"MPI could not start {why}"
+            if self.rank == 0:
+                print(f"mcrdl: MPI is not live: it could not start {why}. The job runs on the "
+                      "other backends; to have MPI, fix that or launch with `mcrdl run` / mpiexec.",
+                      file=sys.stderr, flush=True)
+            return
+        self.mpi_comm = MPI.COMM_WORLD
+        self._local_from_mpi(MPI)
 
     def _local_from_mpi(self, MPI) -> None:
         """This host's ranks: local rank and size, and the CPUs they may run on
@@ -386,10 +406,11 @@ class Runtime:
         self.local_cpus = len(set().union(*(cpus for cpus, _ in facts)))
         self.shared_gpu = shares_a_gpu([gpu for _, gpu in facts])
 
-    def _join(self, store, rank: Optional[int], world_size: Optional[int]) -> None:
+    def _join(self, store, rank: Optional[int], world_size: Optional[int], want_mpi: bool) -> None:
         """Identity and rendezvous from a caller's store (torch's ``init_method``/``store=``:
-        TCPStore, FileStore, HashStore, PrefixStore...). MPI is live too when an MPI launcher
-        started a world of the same size; its ranks are renumbered to the caller's."""
+        TCPStore, FileStore, HashStore, PrefixStore...). MPI is live too: the launcher's when
+        an MPI launcher started a world of the same size (its ranks renumbered to the
+        caller's), else one started over the store (:mod:`mcrdl.pmi`)."""
         if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
             raise ValueError(f"init_process_group: with store=, rank and world_size must be given "
                              f"(0 <= rank < world_size), got rank={rank!r}, world_size={world_size!r}")
@@ -399,12 +420,16 @@ class Runtime:
         self.store = dist.PrefixStore("mcrdl/", store)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        if not mpi_launched():
+        if not want_mpi:
             return
-        MPI = import_mpi()
+        if not mpi_launched():
+            self._mpi_over_store()
+            return
+        MPI = init_launched()
         if MPI.COMM_WORLD.Get_size() != world_size:
-            warnings.warn(f"mcrdl: MPI not used: the MPI launcher started {MPI.COMM_WORLD.Get_size()} "
-                          f"processes but this job's world has {world_size}")
+            self.mpi_missing = (f"the MPI launcher started {MPI.COMM_WORLD.Get_size()} processes but "
+                                f"this job's world has {world_size}")
+            warnings.warn(f"mcrdl: MPI not used: {self.mpi_missing}")
             return
         self.mpi_comm = MPI.COMM_WORLD.Split(0, rank)  # MPI rank = the caller's rank
         self._local_from_mpi(MPI)
@@ -439,6 +464,7 @@ class Runtime:
             if self.rank != 0:
                 store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
             self.mpi_comm.Barrier()  # everyone connected before rank 0 may leave
+            self.store_host = 0
             return store
         env = os.environ
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
@@ -449,9 +475,11 @@ class Runtime:
             # mcrdl serves the store: on MASTER_ADDR only (torch's TCPStore alone
             # would listen on every interface)
             store = _serve_store(_listen(host, port), self.world_size, td)
+            self.store_host = 0
         else:
             store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
-        return dist.PrefixStore("mcrdl/", store)
+        # torchrun's agent keeps its store across restarts: each attempt has its own keys
+        return dist.PrefixStore(f"mcrdl/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
     # -- groups -------------------------------------------------------------------
     def new_group(self, ranks: Iterable[int], timeout: Optional[float] = None,

@@ -1,9 +1,14 @@
 """torch.distributed collectives through the "mcrdl" backend vs local references.
 
-Usage: torch_backend_ops_job.py DEFAULT_BACKEND  (mpi | gloo: what mcrdl's selector
-falls back to; no table, no static map, so every op should run there)."""
+Usage: torch_backend_ops_job.py DEFAULT_BACKEND [torch-first]  (mpi | gloo: what mcrdl's
+selector falls back to; no table, no static map, so every op should run there).
+torch-first: the drop-in's start, ``torch.distributed.init_process_group("mcrdl")`` on
+torch's own env:// rendezvous (mcrdl's options from MCRDL_* variables), as under
+torchrun or mp.spawn; else mcrdl starts first and torch joins it."""
+import os
 import sys
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -14,7 +19,11 @@ from common import check, reduced, value
 
 warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames all_gather_into_tensor etc.
 backend = sys.argv[1]
-tb.init_process_group(mcrdl_options={"default_backend": backend, "timeout": 120, "comms_log": True})
+if sys.argv[2:] == ["torch-first"]:
+    os.environ.update(MCRDL_DEFAULT_BACKEND=backend, MCRDL_COMMS_LOG="1")
+    dist.init_process_group("mcrdl", timeout=timedelta(seconds=120))
+else:
+    tb.init_process_group(mcrdl_options={"default_backend": backend, "timeout": 120, "comms_log": True})
 rank, world = dist.get_rank(), dist.get_world_size()
 check(dist.get_backend() == "mcrdl", "torch backend", dist.get_backend())
 check((rank, world) == (mcrdl.get_rank(), mcrdl.get_world_size()), "ranks agree")

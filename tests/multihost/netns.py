@@ -23,7 +23,7 @@ Command line (as root, from the repository root)::
         per host; prints the job's output and the bytes each host sent/received.
     python -m tests.multihost.netns torchrun -n 2 -- PROGRAM ARGS...
         the same under `torchrun --nnodes=N` (one agent per host, host 0 the
-        rendezvous; gloo only, as under any torchrun launch).
+        rendezvous; MPI started over torchrun's store).
     python -m tests.multihost.netns check      # can this machine run it? (exit 0/1)
     python -m tests.multihost.netns cleanup    # remove left-overs of a crashed run
 """
@@ -218,7 +218,8 @@ class Cluster:
                  port: int = 29500) -> "JobResult":
         """Run ``program`` under ``torchrun --nnodes=N``: one agent per host (started
         there through ``mcrdl run --launcher torchrun``), one rank each, host 0 the
-        rendezvous; MPI is not live then. Outputs are concatenated in host order."""
+        rendezvous; MPI starts over torchrun's store (mcrdl.pmi). Outputs are
+        concatenated in host order."""
         before = self.counters()
         full_env = _job_env(self.env, env)
         start = time.monotonic()

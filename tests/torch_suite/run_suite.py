@@ -292,6 +292,9 @@ def _run_one(case_class, name: str, report: Path, args: argparse.Namespace,
     entry = {"status": status, "reason": reason, "duration_s": seconds}
     if status == "passed":  # torch checks rank 0's exit code only
         entry.update(_rank_warning(report, [p.exitcode for p in getattr(case, "processes_seen", [])]))
+    lives = [set(json.loads(f.read_text())) for f in sorted(report.glob("rank*.live"))]
+    if lives:  # the backends live on mcrdl in every rank of the test
+        entry["live"] = sorted(set.intersection(*lives))
     if detail:
         entry["detail"] = detail
     return entry

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import re
 import sys
@@ -152,6 +153,11 @@ class SuiteCase(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
 
         @functools.wraps(fn)
         def recorded():
+            import mcrdl  # the backends mcrdl runs on in this rank, when it serves the test
+
+            if mcrdl.is_initialized():
+                with open(os.path.join(self.report_dir, f"rank{self.rank}.live"), "w") as f:
+                    json.dump(mcrdl.live_backends(), f)
             try:
                 fn()
             except unittest.SkipTest as exc:

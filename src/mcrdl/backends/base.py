@@ -30,7 +30,7 @@ class Context:
     timeout, and whether ranks share a GPU."""
 
     def __init__(self, rank: int, world_size: int, timeout: float, mpi_comm: Any = None,
-                 store: Any = None, shared_gpu: bool = False):
+                 store: Any = None, shared_gpu: bool = False, mpi_missing: Optional[str] = None):
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -38,6 +38,8 @@ class Context:
         self.store = store
         #: two of this host's ranks use the same GPU (known where MPI launched the job)
         self.shared_gpu = shared_gpu
+        #: why no MPI communicator could be had (None: an MPI launcher's, or MPI not asked for)
+        self.mpi_missing = mpi_missing
 
 
 class Backend:

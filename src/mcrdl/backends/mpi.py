@@ -17,8 +17,11 @@ op of the backend called meanwhile, on CPU tensors too, queues behind it
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import os
+import sys
 import threading
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
@@ -67,12 +70,57 @@ def library_name(MPI) -> str:
 
 
 def import_mpi():
-    """Import mpi4py with full thread support (the futures thread polls too)."""
+    """mpi4py's MPI module, with full thread support (the futures thread polls too).
+    Importing it never starts MPI: mcrdl starts it (:func:`init_launched`, or
+    :func:`mcrdl.pmi.bring_up` when no MPI launcher started the ranks)."""
     import mpi4py
 
-    mpi4py.rc.thread_level = "multiple"
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.thread_level = "multiple"
+        mpi4py.rc.initialize = False  # a process no MPI launcher started would become a singleton
+        mpi4py.rc.finalize = False  # finalize_at_exit: without the GIL
     from mpi4py import MPI
 
+    return MPI
+
+
+def _loaded_library() -> ctypes.CDLL:
+    """The MPI library mpi4py loaded, to call without the GIL (ctypes releases it)."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        paths = sorted({f[5].strip() for f in (line.split(maxsplit=5) for line in maps)
+                        if len(f) == 6 and "/libmpi" in f[5]})
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        if hasattr(lib, "MPI_Init_thread"):
+            return lib
+    raise RuntimeError("the MPI library mpi4py uses is not among this process's loaded libraries")
+
+
+def init_thread(MPI) -> ctypes.CDLL:
+    """``MPI_Init_thread`` (multiple) without the GIL, so a PMI service thread in this
+    process can answer it; ``MPI_Finalize`` likewise at exit. Returns the library."""
+    lib = _loaded_library()
+    provided = ctypes.c_int(0)
+    rc = lib.MPI_Init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided))
+    if rc != 0:
+        raise RuntimeError(f"MPI_Init_thread failed (error {rc})")
+    atexit.register(finalize_at_exit, lib)
+    return lib
+
+
+def finalize_at_exit(lib: ctypes.CDLL) -> None:
+    """MPI_Finalize, unless done already, without the GIL."""
+    done = ctypes.c_int(0)
+    lib.MPI_Finalized(ctypes.byref(done))
+    if not done.value:
+        lib.MPI_Finalize()
+
+
+def init_launched():
+    """MPI of a job an MPI launcher started (or of a single process), initialised."""
+    MPI = import_mpi()
+    if not MPI.Is_initialized():
+        init_thread(MPI)
     return MPI
 
 
@@ -229,7 +277,7 @@ class MPIBackend(Backend):
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
         if ctx.mpi_comm is None:
-            return "the job was not started by an MPI launcher (use `mcrdl run` or mpiexec)"
+            return ctx.mpi_missing or "MPI was not started (no MPI launcher and no store to start it over)"
         return None
 
     def __init__(self, ctx: Context):

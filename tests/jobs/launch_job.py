@@ -1,0 +1,51 @@
+"""MPI under launchers other than MPI's (torchrun here). Usage: launch_job.py MODE
+
+restart    every rank starts MPI over torchrun's store and all-reduces on it. Rank 1
+           fails in torchrun's first attempt before mcrdl starts and in the second
+           after MPI ran, so torchrun (--max-restarts 2) starts every rank twice
+           again; each attempt's ranks must get a fresh MPI world, whatever the
+           last attempt left in torchrun's store.
+singleton  rank 1 starts MPI itself first (mpi4py's import, as a singleton): MPI
+           cannot be brought up over the store, so every rank runs on gloo, and
+           rank 0 says why at init."""
+import os
+import sys
+
+if sys.argv[1] == "singleton" and os.environ["RANK"] == "1":
+    from mpi4py import MPI  # noqa: F401  (mpi4py.rc.initialize is on: MPI starts here)
+
+import torch  # noqa: E402
+
+import mcrdl  # noqa: E402
+from common import check  # noqa: E402
+
+mode = sys.argv[1]
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if mode == "restart" and attempt == 0 and os.environ["RANK"] == "1":
+    print("rank 1: attempt 0 fails on purpose before init", flush=True)
+    sys.exit(3)
+mcrdl.init_process_group(timeout=60)
+rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+live = mcrdl.live_backends()
+expected = float(world * (world + 1) // 2)
+if mode == "restart":
+    from mpi4py import MPI
+
+    check("mpi" in live, "MPI not live:", mcrdl.available_backends())
+    check(MPI.COMM_WORLD.Get_rank() == rank and MPI.COMM_WORLD.Get_size() == world,
+          "MPI's world differs from torch's", MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+    t = torch.full((1000,), float(rank + 1))
+    mcrdl.all_reduce(t, backend="mpi")
+    check(bool(torch.all(t == expected)), "all_reduce on mpi", t[:4].tolist())
+    if attempt == 1 and rank == 1:
+        print(f"rank {rank}: attempt {attempt} fails on purpose", flush=True)
+        os._exit(3)
+    mcrdl.barrier(backend="mpi")
+    print(f"rank {rank}: OK restart attempt {attempt}, MPI world {MPI.COMM_WORLD.Get_size()}", flush=True)
+elif mode == "singleton":
+    check(live == ["gloo"], "live backends", live)
+    t = torch.full((8,), float(rank + 1))
+    mcrdl.all_reduce(t)
+    check(bool(torch.all(t == expected)), "all_reduce on gloo", t.tolist())
+    print(f"rank {rank}: OK singleton fallback; mpi: {mcrdl.available_backends()['mpi']}", flush=True)
+mcrdl.destroy_process_group()

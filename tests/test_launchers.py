@@ -1,0 +1,95 @@
+"""MPI live whatever started the ranks (mcrdl.pmi): torchrun, torch.multiprocessing.spawn,
+torchrun's restarts, two jobs on one host at once, and the loud fall-back where MPI
+cannot start. (Frameworks under their own launchers: test_frameworks.py; torchrun
+across hosts: test_multihost.py; PyTorch's own suite, which spawns its ranks:
+test_torch_suite.py.)"""
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import JOBS
+from mcrdl import pmi
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(nprocs, *argv, extra=(), timeout=300):
+    """``torchrun --standalone`` of a job in tests/jobs: (exit status, output)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
+           *extra, str(JOBS / argv[0]), *argv[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=JOBS, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_process_mapping_names_each_ranks_host():
+    assert pmi.process_mapping(["a"] * 4) == "(vector,(0,1,4))"
+    assert pmi.process_mapping(["a", "a", "b", "b"]) == "(vector,(0,2,2))"
+    assert pmi.process_mapping(["a", "b", "a", "b"]) == "(vector,(0,2,1),(0,2,1))"
+    assert pmi.process_mapping(["a", "a", "a", "b"]) == "(vector,(0,1,3),(1,1,1))"
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_torchrun_every_op_on_mpi(nprocs):
+    """torchrun's ranks: MPI starts over its store, and every op x dtype x size x
+    sync/async (and a subgroup at 4 ranks) agrees with the local references."""
+    rc, out = torchrun(nprocs, "ops_job.py", "mpi")
+    counts = re.findall(r"OK (\d+) checks on \['mpi'\]", out)
+    assert rc == 0 and len(counts) == nprocs, out[-4000:]
+
+
+def test_torchrun_torch_first_every_op_through_torch():
+    """The drop-in's start under torchrun: torch.distributed.init_process_group("mcrdl")
+    on torch's env:// store; mcrdl's default backend is MPI, so every torch op runs on it."""
+    rc, out = torchrun(2, "torch_backend_ops_job.py", "mpi", "torch-first")
+    assert rc == 0 and out.count("TORCH BACKEND OPS OK") == 2 and "backend mpi" in out, out[-4000:]
+
+
+def test_mp_spawn_every_op_through_torch():
+    """Ranks from torch.multiprocessing.spawn, no launcher at all."""
+    proc = subprocess.run([sys.executable, str(JOBS / "spawn_job.py"), "2", str(free_port()), "mpi"],
+                          capture_output=True, text=True, env=ENV, cwd=JOBS, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.count("TORCH BACKEND OPS OK") == 2, out[-4000:]
+    assert "backend mpi" in out and "spawn_job: 2 ranks done" in out
+
+
+def test_torchrun_restarts_get_a_fresh_mpi_world():
+    """torchrun --max-restarts: rank 1 fails before init, then after MPI ran; each new
+    attempt gets its own MPI world over the store torchrun keeps (each attempt's keys
+    apart: without that, attempt 1 counts attempt 0's lone rank and splits)."""
+    rc, out = torchrun(2, "launch_job.py", "restart", extra=["--max-restarts=2"])
+    assert rc == 0, out[-4000:]
+    assert "attempt 0 fails on purpose before init" in out and "attempt 1 fails on purpose" in out
+    assert out.count("OK restart attempt 2, MPI world 2") == 2, out[-4000:]
+
+
+def test_fall_back_loudly_when_mpi_cannot_start():
+    """Rank 1 started MPI itself (a singleton) before mcrdl: no rank starts MPI, rank 0
+    says once why and what to do, and the job runs on gloo."""
+    rc, out = torchrun(2, "launch_job.py", "singleton")
+    assert rc == 0, out[-4000:]
+    assert out.count("mcrdl: MPI is not live: it could not start on rank 1: MPI was started in "
+                     "this process before mcrdl") == 1, out[-4000:]
+    assert out.count("OK singleton fallback") == 2
+
+
+def test_two_torchrun_jobs_on_one_host_at_once():
+    """MPICH names its shared-memory segments after the job's PMI name: two jobs on a
+    host (or one and the leftovers of an aborted one) must not share it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(JOBS / "ops_job.py"), "mpi"]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                             cwd=JOBS) for _ in range(2)]
+    outs = [job.communicate(timeout=400)[0] for job in jobs]
+    for job, out in zip(jobs, outs):
+        assert job.returncode == 0 and out.count("checks on ['mpi']") == 2, out[-4000:]
