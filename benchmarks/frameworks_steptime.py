@@ -1,11 +1,12 @@
 """Step time of real frameworks on "mcrdl" vs gloo: `python benchmarks/frameworks_steptime.py`.
 
-Runs each example of examples/frameworks/ under `mcrdl run -n 2` with
-``--backend gloo`` and ``--backend mcrdl``, alternating (the backend that goes
-first flips every round), for ``--rounds`` rounds. Per launch: the median of
-rank 0's step times after ``--warmup`` steps; per example and backend: the
-median of those over the rounds. Also checks that each round's two launches
-gave bitwise identical losses. A failed launch is repeated once and listed
+Runs each example of examples/frameworks/ under each launcher (``--launchers``:
+`mcrdl run -n 2`, i.e. mpiexec, and `mcrdl run --launcher torchrun -n 2`, where
+mcrdl starts MPI over torchrun's store) with ``--backend gloo`` and ``--backend
+mcrdl``, alternating (the order of the four launches reverses every round), for
+``--rounds`` rounds. Per launch: the median of rank 0's step times after
+``--warmup`` steps; per example, launcher and backend: the median of those over
+the rounds. Also checks that each round's launches gave bitwise identical losses. A failed launch is repeated once and listed
 in the doc (a second failure stops the run). Writes docs/results/frameworks.md (command,
 load, table) and a JSON file beside it. DeepSpeed examples are left out, and
 said so, when deepspeed does not import.
@@ -37,8 +38,10 @@ EXAMPLES = {
     "fsdp2": ("fsdp2.py",),
     "dtensor_mesh_tp": ("dtensor_mesh.py", "--mode", "tp"),
     "dtensor_mesh_hsdp": ("dtensor_mesh.py", "--mode", "hsdp"),
+    "lightning_ddp": ("lightning_ddp.py",),
 }
 BACKENDS = ("gloo", "mcrdl")
+LAUNCHERS = ("mpiexec", "torchrun")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "DS_ACCELERATOR": "cpu"}
 
 
@@ -46,9 +49,9 @@ def uptime():
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def launch(nprocs, script, args, backend, steps):
+def launch(nprocs, script, args, backend, steps, launcher):
     """One `mcrdl run` job: (rank 0's RESULT or None, the job's wall time, command, output)."""
-    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--timeout", "600",
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", launcher, "-n", str(nprocs), "--timeout", "600",
            os.path.join(ROOT, "examples", "frameworks", script), *args, "--backend", backend,
            "--steps", str(steps)]
     t0 = time.perf_counter()
@@ -66,6 +69,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("-n", "--nprocs", type=int, default=2)
     p.add_argument("--only", help="comma-separated example names (default: all)")
+    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated, of: " + ", ".join(LAUNCHERS))
     p.add_argument("--out", default="docs/results/frameworks.md")
     p.add_argument("--json", default="docs/results/frameworks.json")
     args = p.parse_args()
@@ -76,74 +80,98 @@ def main():
     unknown = set(names) - set(EXAMPLES)
     if unknown:
         p.error(f"unknown examples {sorted(unknown)} (known: {', '.join(EXAMPLES)})")
-    ds = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True, env=ENV)
-    skipped = [n for n in names if n.startswith("deepspeed")] if ds.returncode else []
+    launchers = args.launchers.split(",")
+    if not launchers or set(launchers) - set(LAUNCHERS):
+        p.error(f"--launchers takes {', '.join(LAUNCHERS)}")
+    skipped = []
+    for framework in ("deepspeed", "lightning"):
+        if subprocess.run([sys.executable, "-c", f"import {framework}"], capture_output=True, env=ENV).returncode:
+            skipped += [n for n in names if n.startswith(framework)]
     names = [n for n in names if n not in skipped]
+    legs = [(launcher, backend) for launcher in launchers for backend in BACKENDS]
 
     load_before = uptime()
-    runs = {n: {b: [] for b in BACKENDS} for n in names}
+    runs = {n: {leg: [] for leg in legs} for n in names}
     identical = {n: [] for n in names}
     failures = []
     with Progress(console=console) as progress:
-        task = progress.add_task("launches", total=args.rounds * len(names) * len(BACKENDS))
+        task = progress.add_task("launches", total=args.rounds * len(names) * len(legs))
         for rnd in range(args.rounds):
             for name in names:
-                losses = {}
-                for backend in BACKENDS if rnd % 2 == 0 else BACKENDS[::-1]:
-                    progress.update(task, description=f"round {rnd + 1}: {name} on {backend}")
+                losses = []
+                for launcher, backend in legs if rnd % 2 == 0 else legs[::-1]:
+                    progress.update(task, description=f"round {rnd + 1}: {name} on {backend} under {launcher}")
                     for attempt in (1, 2):  # one retry: record the failure, stop on a second
-                        result, wall, cmd, out = launch(args.nprocs, EXAMPLES[name][0],
-                                                        EXAMPLES[name][1:], backend, args.steps)
+                        result, wall, cmd, out = launch(args.nprocs, EXAMPLES[name][0], EXAMPLES[name][1:],
+                                                        backend, args.steps, launcher)
                         if result is not None:
                             break
                         failures.append({"round": rnd + 1, "example": name, "backend": backend,
-                                         "command": cmd, "output_tail": out[-3000:]})
+                                         "launcher": launcher, "command": cmd, "output_tail": out[-3000:]})
                         console.print(f"launch failed ({cmd}):\n{out[-3000:]}", highlight=False)
                         if attempt == 2:
                             sys.exit("failed twice in a row; stopping")
-                    losses[backend] = result["losses"]
-                    runs[name][backend].append(
+                    losses.append(result["losses"])
+                    runs[name][(launcher, backend)].append(
                         {"median_step_s": statistics.median(result["step_times"][args.warmup:]),
                          "job_wall_s": wall, "step_times": result["step_times"]})
                     progress.advance(task)
-                identical[name].append(losses["gloo"] == losses["mcrdl"])
+                identical[name].append(all(l == losses[0] for l in losses))
     load_after = uptime()
 
-    headers = ["example", "gloo ms/step", "mcrdl ms/step", "mcrdl/gloo", "per-round mcrdl/gloo",
-               "job s gloo", "job s mcrdl", "losses identical"]
+    def med(name, leg, key="median_step_s"):
+        return statistics.median(r[key] for r in runs[name][leg])
+
+    def ratios(name, top, bottom):
+        return [t["median_step_s"] / b["median_step_s"] for t, b in zip(runs[name][top], runs[name][bottom])]
+
+    headers = ["example"]
+    for launcher in launchers:
+        headers += [f"{launcher}: gloo ms", "mcrdl ms", "mcrdl/gloo (per round)", "job s mcrdl"]
+    if len(launchers) > 1:
+        headers += [f"mcrdl {launchers[1]}/{launchers[0]} (per round)"]
+    headers += ["losses identical"]
     table = Table(title=f"median step time, {args.nprocs} ranks, {args.rounds} rounds")
     for h in headers:
         table.add_column(h, justify="left" if h == "example" else "right")
     rows = []
     for name in names:
-        med = {b: statistics.median(r["median_step_s"] for r in runs[name][b]) for b in BACKENDS}
-        wall = {b: statistics.median(r["job_wall_s"] for r in runs[name][b]) for b in BACKENDS}
-        per_round = [m["median_step_s"] / g["median_step_s"]
-                     for g, m in zip(runs[name]["gloo"], runs[name]["mcrdl"])]
-        row = [name, f"{1e3 * med['gloo']:.1f}", f"{1e3 * med['mcrdl']:.1f}",
-               f"{med['mcrdl'] / med['gloo']:.2f}x", " ".join(f"{x:.2f}" for x in per_round),
-               f"{wall['gloo']:.1f}", f"{wall['mcrdl']:.1f}",
-               f"{sum(identical[name])}/{len(identical[name])}"]
+        row = [name]
+        for launcher in launchers:
+            gloo, mcrdl = (launcher, "gloo"), (launcher, "mcrdl")
+            per_round = " ".join(f"{x:.2f}" for x in ratios(name, mcrdl, gloo))
+            row += [f"{1e3 * med(name, gloo):.1f}", f"{1e3 * med(name, mcrdl):.1f}",
+                    f"{med(name, mcrdl) / med(name, gloo):.2f}x ({per_round})",
+                    f"{med(name, mcrdl, 'job_wall_s'):.1f}"]
+        if len(launchers) > 1:
+            a, b = (launchers[1], "mcrdl"), (launchers[0], "mcrdl")
+            row += [f"{med(name, a) / med(name, b):.2f}x ({' '.join(f'{x:.2f}' for x in ratios(name, a, b))})"]
+        row += [f"{sum(identical[name])}/{len(identical[name])}"]
         rows.append(row)
         table.add_row(*row)
     console.print(table)
 
     command = shlex.join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT)
                           else sys.executable, *sys.argv])
-    try:
-        doc = environment(deepspeed=importlib.metadata.version("deepspeed"))
-    except importlib.metadata.PackageNotFoundError:
-        doc = environment()
+    found = {}
+    for framework in ("deepspeed", "lightning"):
+        try:
+            found[framework] = importlib.metadata.version(framework)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    doc = environment(**found)
     md = [
         "# Real frameworks on \"mcrdl\" vs gloo: step time",
         "",
-        "Each example in `examples/frameworks/` (unchanged but for `--backend`) under "
-        f"`mcrdl run -n {args.nprocs}`, once per backend per round, alternating which goes first, "
-        f"{args.rounds} rounds. Per launch the median of rank 0's step times (forward, backward, "
-        f"optimizer step) after {args.warmup} warm-up steps of {args.steps}; the table gives the "
-        "median over the rounds, each round's ratio, the median wall time of a whole job "
-        "(launch, imports, init, steps, exit) and in how many rounds the two backends' losses "
-        "were bitwise identical.",
+        "Each example in `examples/frameworks/` (unchanged but for `--backend`) on "
+        f"{args.nprocs} ranks under each launcher ({', '.join(launchers)}: `mcrdl run --launcher L`; "
+        "under torchrun mcrdl starts MPI over torchrun's store), once per backend per round, the "
+        f"order of the launches reversed every round, {args.rounds} rounds. Per launch the median "
+        "of rank 0's step times (forward, backward, optimizer step) after "
+        f"{args.warmup} warm-up steps of {args.steps}; the table gives the median over the rounds "
+        "with each round's ratio, the median wall time of a whole mcrdl job (launch, imports, "
+        "init, steps, exit), mcrdl's step time under the second launcher over the first, and in "
+        "how many rounds all launches' losses were bitwise identical.",
         "",
         "## Command",
         "",
@@ -153,16 +181,16 @@ def main():
         "",
         f"{doc['date']}, {doc['cpus']} CPUs, torch {doc['versions']['torch']}, "
         f"mcrdl {doc['versions']['mcrdl']}, Python {doc['versions']['python']}"
-        + (f", deepspeed {doc['versions']['deepspeed']}." if "deepspeed" in doc["versions"] else "."),
+        + "".join(f", {k} {v}" for k, v in found.items()) + ".",
         "",
         f"- `uptime` before: `{load_before}`",
         f"- `uptime` after: `{load_after}`",
     ]
     if skipped:
-        md += [f"- left out (deepspeed does not import): {', '.join(skipped)}"]
+        md += [f"- left out (their framework does not import): {', '.join(skipped)}"]
     for f in failures:
         md += [f"- launch failed and was repeated: round {f['round']}, {f['example']} on "
-               f"{f['backend']}; last line: `{f['output_tail'].strip().splitlines()[-1]}` "
+               f"{f['backend']} under {f['launcher']}; last line: `{f['output_tail'].strip().splitlines()[-1]}` "
                f"(full tail in the JSON)"]
     md += ["", "## Result", "", "| " + " | ".join(headers) + " |",
            "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
@@ -173,7 +201,9 @@ def main():
     console.print(f"wrote {args.out}", highlight=False)
     write_json(args.json, {"environment": doc, "command": command, "uptime_before": load_before,
                            "uptime_after": load_after, "skipped": skipped, "failures": failures,
-                           "settings": vars(args), "runs": runs, "losses_identical": identical},
+                           "settings": vars(args),
+                           "runs": {n: {f"{l}/{b}": r for (l, b), r in legs_.items()} for n, legs_ in runs.items()},
+                           "losses_identical": identical},
                console)
 
 

@@ -158,7 +158,8 @@ def test_one_word_switch_under_mcrdl_run(nprocs, init, tmp_path):
 
 
 def test_one_word_switch_spawned_with_a_file_store(tmp_path):
-    """Ranks spawned by hand (as PyTorch's own test suite does): gloo only, FileStore rendezvous."""
+    """Ranks spawned by hand (as PyTorch's own test suite does), FileStore rendezvous: MPI
+    starts over that store (mcrdl.pmi), beside gloo."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_LOCAL"))}
     procs = [subprocess.Popen([sys.executable, str(JOBS / "torch_backend_dropin_job.py"),
                                f"file://{tmp_path}/store"], cwd=JOBS, stdout=subprocess.PIPE,
@@ -172,4 +173,4 @@ def test_one_word_switch_spawned_with_a_file_store(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    assert all("DROP-IN OK (file, live ['gloo'])" in o for o in outs), outs
+    assert all("DROP-IN OK (file, live ['mpi', 'gloo'])" in o for o in outs), outs

@@ -66,6 +66,8 @@ TUNE_SIZES = "4,1K,16K,64K,128K,256K,1M,4M"
 
 def add_args(p) -> None:
     p.add_argument("-n", "--nprocs", type=int, default=2, help="local ranks to launch (default 2)")
+    p.add_argument("--launcher", choices=("mpiexec", "torchrun"), default="mpiexec",
+                   help="what starts the ranks (default mpiexec; under torchrun mcrdl starts MPI over its store)")
     p.add_argument("--out", default=os.path.join("out", "demo"), help="output directory (default out/demo)")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
@@ -169,11 +171,11 @@ def _outer(args, names: List[str]) -> int:
     if args.table:
         argv += ["--table", args.table]
     tune = "" if args.table or not set(TABLE_MODES) & set(args.modes.split(",")) else "quick tune, then "
-    print(f"mcrdl demo: {args.nprocs} local ranks, {args.device} tensors; {tune}{', '.join(names)} in modes "
+    print(f"mcrdl demo: {args.nprocs} local ranks ({args.launcher}), {args.device} tensors; {tune}{', '.join(names)} in modes "
           f"{args.modes.replace(',', ', ')} ({args.steps} timed steps x {args.rounds} rounds each)", flush=True)
     t0 = time.time()
     load0 = _loadavg()
-    rc = launcher.run(launcher.build_command(args.nprocs, argv), args.timeout)
+    rc = launcher.run(launcher.build_command(args.nprocs, argv, args.launcher), args.timeout)
     elapsed = time.time() - t0
     args.loadavg = {"start": load0, "end": _loadavg()}
     if rc != 0:
@@ -221,12 +223,15 @@ def _inner(args, names: List[str]) -> int:
 
 
 def _say(text: str) -> None:
+    """Print on rank 0 only."""
     from .backends.mpi import mpi_launched
 
     if mpi_launched():
         from mpi4py import MPI
         if MPI.COMM_WORLD.Get_rank() != 0:
             return
+    elif int(os.environ.get("RANK", 0)) != 0:
+        return
     print(text, flush=True)
 
 

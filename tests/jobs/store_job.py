@@ -10,6 +10,7 @@ import torch
 
 import mcrdl
 from common import check
+from mcrdl.backends.mpi import mpi_launched
 
 mcrdl.init_process_group(timeout=60)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
@@ -37,7 +38,7 @@ def listening(port):
 if rank == 0:
     rt = mcrdl.api._rt()
     # under torchrun the store is torchrun's (MASTER_PORT), under MPI it is mcrdl's own
-    port = rt.store.port if rt.mpi_comm is not None else int(os.environ["MASTER_PORT"])
+    port = rt.store.port if mpi_launched() else int(os.environ["MASTER_PORT"])
     addrs = listening(port)
     print(f"rank 0 on {socket.gethostname()}: store port {port} listens on {addrs}", flush=True)
     check(addrs == [sys.argv[1]], "store listens on", addrs, "expected", [sys.argv[1]])
