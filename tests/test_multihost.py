@@ -128,6 +128,12 @@ def test_torchrun_nnodes_across_namespace_hosts():
         counts = re.findall(r"OK (\d+) checks on \['mpi', 'gloo'\]", r.output)
         assert r.returncode == 0 and len(counts) == 2 and counts[0] == counts[1], r.output[-4000:]
         _moved(r, 1_000_000)
+        # two ranks per host: MPI's node map from the hostnames (shared memory within a
+        # host, the network between them), every op on MPI with a subgroup across hosts
+        r = cluster.torchrun([str(JOBS / "ops_job.py"), "mpi"], timeout=400, per_host=2)
+        counts = re.findall(r"OK (\d+) checks on \['mpi'\]", r.output)
+        assert r.returncode == 0 and len(counts) == 4, r.output[-4000:]
+        _moved(r, 500_000)
     assert netns.leftovers() == []
 
 

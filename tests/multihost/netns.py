@@ -215,9 +215,9 @@ class Cluster:
         return cmd + ["--", *program]
 
     def torchrun(self, program: Sequence[str], timeout: float = 300, env: Optional[dict] = None,
-                 port: int = 29500) -> "JobResult":
+                 port: int = 29500, per_host: int = 1) -> "JobResult":
         """Run ``program`` under ``torchrun --nnodes=N``: one agent per host (started
-        there through ``mcrdl run --launcher torchrun``), one rank each, host 0 the
+        there through ``mcrdl run --launcher torchrun``), ``per_host`` ranks each, host 0 the
         rendezvous; MPI starts over torchrun's store (mcrdl.pmi). Outputs are
         concatenated in host order."""
         before = self.counters()
@@ -225,7 +225,7 @@ class Cluster:
         start = time.monotonic()
         procs = []
         for k, host in enumerate(self.hosts):
-            cmd = [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", "torchrun", "-n", "1",
+            cmd = [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", "torchrun", "-n", str(per_host),
                    "--timeout", str(timeout),
                    "--extra", f"--nnodes={len(self.hosts)} --node-rank={k} "
                               f"--master-addr={self.addrs[0]} --master-port={port}", "--", *program]
