@@ -47,21 +47,23 @@ def cuda_support() -> tuple[bool, str]:
     env = os.environ.get("MCRDL_MPI_CUDA_AWARE")
     if env is not None:
         return env == "1", f"MCRDL_MPI_CUDA_AWARE={env}"
-    import ctypes
-
-    try:  # the libraries mpi4py loaded (Linux); asking needs no CUDA
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            paths = sorted({f[5] for f in (line.split(maxsplit=5) for line in maps)
-                            if len(f) == 6 and "libmpi" in f[5] and f[5].startswith("/")})
-    except OSError:
-        paths = []
-    for path in (p.rstrip() for p in paths):
+    for path in _mpi_library_paths():  # asking needs no CUDA
         try:
             query = ctypes.CDLL(path).MPIX_Query_cuda_support
         except (OSError, AttributeError):
             continue
         return bool(query()), "MPIX_Query_cuda_support"
     return False, "the MPI library does not say"
+
+
+def _mpi_library_paths() -> list[str]:
+    """The MPI libraries loaded in this process (mpi4py's; Linux's /proc)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            return sorted({f[5].strip() for f in (line.split(maxsplit=5) for line in maps)
+                           if len(f) == 6 and "libmpi" in f[5] and f[5].startswith("/")})
+    except OSError:
+        return []
 
 
 def library_name(MPI) -> str:
@@ -86,26 +88,22 @@ def import_mpi():
 
 def _loaded_library() -> ctypes.CDLL:
     """The MPI library mpi4py loaded, to call without the GIL (ctypes releases it)."""
-    with open("/proc/self/maps", encoding="utf-8") as maps:
-        paths = sorted({f[5].strip() for f in (line.split(maxsplit=5) for line in maps)
-                        if len(f) == 6 and "/libmpi" in f[5]})
-    for path in paths:
+    for path in _mpi_library_paths():
         lib = ctypes.CDLL(path)
         if hasattr(lib, "MPI_Init_thread"):
             return lib
     raise RuntimeError("the MPI library mpi4py uses is not among this process's loaded libraries")
 
 
-def init_thread(MPI) -> ctypes.CDLL:
+def init_thread(MPI) -> None:
     """``MPI_Init_thread`` (multiple) without the GIL, so a PMI service thread in this
-    process can answer it; ``MPI_Finalize`` likewise at exit. Returns the library."""
+    process can answer it; ``MPI_Finalize`` likewise at exit."""
     lib = _loaded_library()
     provided = ctypes.c_int(0)
     rc = lib.MPI_Init_thread(None, None, MPI.THREAD_MULTIPLE, ctypes.byref(provided))
     if rc != 0:
         raise RuntimeError(f"MPI_Init_thread failed (error {rc})")
     atexit.register(finalize_at_exit, lib)
-    return lib
 
 
 def finalize_at_exit(lib: ctypes.CDLL) -> None:
