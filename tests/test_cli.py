@@ -83,12 +83,14 @@ def test_rank_env_maps_each_launchers_variables_to_torchruns():
 
 def test_every_rank_of_mcrdl_run_has_torchruns_environment(tmp_path):
     script = tmp_path / "env.py"
-    script.write_text("import os, json\nprint(json.dumps({k: os.environ.get(k) for k in ("
+    # one file per rank: mpiexec forwards the ranks' stdout in chunks that may interleave
+    script.write_text("import os, json, sys\nenv = {k: os.environ.get(k) for k in ("
                       "'RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', "
-                      "'MASTER_PORT', 'PMI_RANK')}))\n")
-    proc = mcrdl_cli("run", "-n", "3", str(script))
+                      "'MASTER_PORT', 'PMI_RANK')}\n"
+                      "open(f\"{sys.argv[1]}/{env['RANK']}.json\", 'w').write(json.dumps(env))\n")
+    proc = mcrdl_cli("run", "-n", "3", str(script), str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    envs = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda e: e["RANK"])
+    envs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert [e["RANK"] for e in envs] == ["0", "1", "2"]
     assert all(e["RANK"] == e["PMI_RANK"] == e["LOCAL_RANK"] for e in envs)
     assert {(e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["MASTER_ADDR"]) for e in envs} == {("3", "3", "127.0.0.1")}

@@ -110,6 +110,14 @@ def test_without_the_watchdog_a_killed_rank_is_named_at_the_timeout(tmp_path, mo
     assert max(t for errs in reports.values() for t, _ in errs) >= TIMEOUT * 0.9
 
 
+def test_without_the_watchdog_a_dead_store_host_is_named_by_every_survivor(tmp_path, monkeypatch):
+    """MCRDL_WATCHDOG=0, rank 0 (which serves the store) killed: the survivors
+    learn it only from the lost store, and every one of them knows whose it was."""
+    monkeypatch.setitem(ENV, "MCRDL_WATCHDOG", "0")
+    _spawn(3, ["gloo", "collective", "kill", "0"], tmp_path)
+    _check(_reports(tmp_path), [1, 2], "gloo", "rank 0, which serves it, is probably dead")
+
+
 @pytest.mark.parametrize("backend", ["mpi", "mixed"])
 def test_killed_rank_under_mpiexec_ends_the_job(tmp_path, backend):
     start = time.monotonic()

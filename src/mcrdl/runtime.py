@@ -471,11 +471,12 @@ class Runtime:
             raise RuntimeError("mcrdl: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are "
                                "not: launch with torchrun, `mcrdl run` or mpiexec")
         host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        if self.rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            self.store_host = 0  # known on every rank: Health names it when the store goes
+        if self.rank == 0 and self.store_host == 0:
             # mcrdl serves the store: on MASTER_ADDR only (torch's TCPStore alone
             # would listen on every interface)
             store = _serve_store(_listen(host, port), self.world_size, td)
-            self.store_host = 0
         else:
             store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
         # torchrun's agent keeps its store across restarts: each attempt has its own keys
