@@ -118,6 +118,27 @@ def test_without_the_watchdog_a_dead_store_host_is_named_by_every_survivor(tmp_p
     _check(_reports(tmp_path), [1, 2], "gloo", "rank 0, which serves it, is probably dead")
 
 
+@pytest.mark.parametrize("launch", ["env", "mpiexec"])
+def test_strangers_at_the_watchdog_neither_end_nor_blind_the_job(tmp_path, monkeypatch, launch):
+    """False death claims, garbage, 200 connections, a replayed hello and
+    goodbye, a second claim of a connected rank: the job's step still runs,
+    nobody is called dead, the connections are counted, and a real death
+    afterwards is still named within the watchdog's second. Under mpiexec the
+    job's key came over MPI, under torchrun's environment through the store."""
+    monkeypatch.setitem(ENV, "FAULT_STRANGERS", "1")
+    if launch == "env":
+        _spawn(3, ["gloo", "collective", "kill", "2"], tmp_path)
+        reports = _reports(tmp_path)
+        _check(reports, [0, 1], "gloo", "rank 2 died (its process ended)", limit=0.5 + 1.0 + KILL_SLACK)
+    else:
+        proc = _mpiexec(3, ["mixed", "collective", "kill", "2"], tmp_path,
+                        extra=["--extra=-disable-auto-cleanup"])
+        out = proc.stdout + proc.stderr
+        assert "rank 2 died (its process ended)" in out, out[-3000:]
+        assert "rank 1 died" not in out and "rank 0 died" not in out, out[-3000:]
+    assert int((tmp_path / "rejected").read_text()) >= 10
+
+
 @pytest.mark.parametrize("backend", ["mpi", "mixed"])
 def test_killed_rank_under_mpiexec_ends_the_job(tmp_path, backend):
     start = time.monotonic()

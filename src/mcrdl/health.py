@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 #: A peer whose last heartbeat is older than this many intervals is reported silent.
 STALE_INTERVALS = 3.0
@@ -69,11 +69,12 @@ class Health:
         """Debug mode: count one more collective entered on ``group_name``."""
         self.store.add(f"arrive/{group_name}/{self.rank}", 1)
 
-    def _find_silent(self, peers: Sequence[int], settle: bool) -> dict[int, float]:
+    def _find_silent(self, peers: Sequence[int], settle: bool,
+                     heard: Callable[[], bool]) -> dict[int, float]:
         """Peers whose heartbeat stopped. A library can report a peer's death
         before its heartbeat is stale: with ``settle`` this watches for
-        ``STALE_INTERVALS + 1`` intervals, and later checks within that window
-        reuse what it found."""
+        ``STALE_INTERVALS + 1`` intervals, or until ``heard()`` (the watchdog
+        named a death), and later checks within that window reuse what it found."""
         with self._lock:
             known = {r: age for r, age in self._silent.items() if r in peers}
             window = (STALE_INTERVALS + 1) * self.interval
@@ -85,7 +86,7 @@ class Health:
                 stamps = self.store.multi_get([f"hb/{r}" for r in peers])
                 silent = {r: now - float(s) for r, s in zip(peers, stamps)
                           if now - float(s) > STALE_INTERVALS * self.interval}
-                if silent or time.monotonic() >= settle:
+                if silent or time.monotonic() >= settle or heard():
                     break
                 time.sleep(self.interval)
             self._silent.update(silent)
@@ -93,16 +94,18 @@ class Health:
                 self._all_alive_at = time.monotonic()
             return silent
 
-    def describe(self, ranks: Sequence[int], group_name: str, debug: bool, settle: bool) -> str:
+    def describe(self, ranks: Sequence[int], group_name: str, debug: bool, settle: bool,
+                 heard: Callable[[], bool] = lambda: False) -> str:
         """One sentence on the other ``ranks`` (global ranks) of a failed op:
         which are silent (dead or frozen), which did not arrive (debug), or
         that all are alive. ``settle``: the failure came from the library right
-        away (not a timeout), so wait until a peer that just died shows silent."""
+        away (not a timeout), so wait until a peer that just died shows silent
+        or ``heard()``."""
         peers = [r for r in ranks if r != self.rank]
         if not peers:
             return ""
         try:
-            silent = self._find_silent(peers, settle)
+            silent = self._find_silent(peers, settle, heard)
             behind = {}
             if debug:
                 counts = [self.store.add(f"arrive/{group_name}/{r}", 0) for r in ranks]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import socket
 import sys
 import time
@@ -291,11 +292,17 @@ class Runtime:
             self.health = Health(self.store, self.rank, beat, self.store_host)
         self._abort_at_exit = False
         self.watchdog = None
+        # the watchdog's key travels over MPI when it is live, never through the store,
+        # which anyone who reaches it can read (torch's TCPStore has no authentication);
+        # sent whether or not this rank's watchdog is on, so no rank waits in the bcast
+        secret = None
+        if self.store is not None and self.world_size > 1 and self.mpi_comm is not None:
+            secret = self.mpi_comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None, root=0)
         if self.store is not None and self.world_size > 1 and watchdog_enabled():
             single_host = self.local_size == self.world_size
             self.watchdog = Watchdog(self.store, self.rank, self.world_size,
                                      lambda: _listen(_store_address(single_host)),
-                                     self._peer_died, timeout)
+                                     self._peer_died, timeout, secret)
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store,
                                  self.shared_gpu, self.mpi_missing)
@@ -590,7 +597,11 @@ class Runtime:
             return "; ".join(dead)
         if group is None or self.health is None:
             return ""
-        return self.health.describe(group.ranks, group.name, self.debug, settle=not timed_out)
+        # the library may see a broken connection before the watchdog hears of the
+        # death: its word, once it comes, ends the heartbeats' settle window
+        verdict = self.health.describe(group.ranks, group.name, self.debug, settle=not timed_out,
+                                       heard=lambda: bool(self.engine.deaths(group)))
+        return "; ".join(self.engine.deaths(group)) or verdict
 
     def shutdown(self) -> None:
         """Release every group handle, backend and the store now (a torch process

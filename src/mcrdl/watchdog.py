@@ -7,16 +7,34 @@ tells every other rank, and every rank sees rank 0's death as the end of its own
 connection. A rank that ends on purpose (``destroy_process_group``, or the exit
 handler) says ``bye`` first, so leaving is not taken for dying.
 
+Only the job's ranks are heard. Rank 0 greets each connection with a fresh
+nonce; a rank answers with its rank, a nonce of its own and an HMAC of both
+under the job's secret, and rank 0 proves itself with an HMAC of the rank's
+nonce. A connection that fails this, claims a rank already connected, sends a
+line longer than :data:`LINE_MAX` or stays silent for :data:`HANDSHAKE_S` is
+dropped and counted (:attr:`Watchdog.rejected`); only an admitted rank's
+connection ending without ``bye`` is a death. At most :data:`MAX_PENDING`
+connections wait for their handshake at once, the oldest going first.
+
 Heartbeats (:mod:`mcrdl.health`) still explain timeouts and frozen peers; this
 only reports processes that are gone. ``MCRDL_WATCHDOG=0`` turns it off.
 """
 from __future__ import annotations
 
+import hmac
 import os
+import secrets
 import selectors
 import socket
+import sys
 import threading
-from typing import Callable
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+LINE_MAX = 256  # bytes: every line of the protocol is shorter
+HANDSHAKE_S = 30.0  # a connection not admitted by then is dropped
+MAX_PENDING = 64  # connections waiting for their handshake at once
 
 
 def watchdog_enabled() -> bool:
@@ -26,30 +44,66 @@ def watchdog_enabled() -> bool:
     return raw == "1"
 
 
+def _mac(secret: bytes, *parts: str) -> str:
+    return hmac.new(secret, "|".join(parts).encode(), "sha256").hexdigest()
+
+
+def _read_line(sock: socket.socket, pending: bytes) -> tuple[bytes, bytes]:
+    """One line from ``sock`` (after what ``pending`` holds) and the bytes after it."""
+    while b"\n" not in pending:
+        if len(pending) > LINE_MAX:
+            raise ConnectionError("a line longer than the protocol allows")
+        data = sock.recv(LINE_MAX)
+        if not data:
+            raise ConnectionError("the connection closed during the handshake")
+        pending += data
+    line, rest = pending.split(b"\n", 1)
+    return line, rest
+
+
+@dataclass
+class _Peer:
+    """Rank 0's view of one connection."""
+    nonce: str
+    since: float
+    rank: Optional[int] = None  # set once admitted
+    leaving: bool = False
+    pending: bytes = b""
+
+
 class Watchdog:
-    """Calls ``on_death(rank)`` (from its own thread) once per peer that dies."""
+    """Calls ``on_death(rank)`` (from its own thread) once per peer that dies.
+
+    ``secret`` is the job's key (sent over MPI by the runtime when MPI is live);
+    ``None`` sends a fresh one with rank 0's address through the store."""
 
     def __init__(self, store, rank: int, world_size: int, listen: Callable[[], socket.socket],
-                 on_death: Callable[[int], None], timeout: float):
+                 on_death: Callable[[int], None], timeout: float, secret: Optional[bytes] = None):
         self.rank = rank
+        self.world_size = world_size
         self.on_death = on_death
+        self.rejected = 0  # connections dropped as not the job's ranks (rank 0)
         self._stop = threading.Event()
         self._dead: set[int] = set()
         # a fresh key per init: the same store may serve several inits in turn
         generation = (store.add("watchdog/arrivals", 1) - 1) // world_size
         key = f"watchdog/{generation}"
         if rank == 0:
+            in_store = secret is None
+            self._secret = secrets.token_bytes(32) if in_store else secret
             self._listener = listen()
             host, port = self._listener.getsockname()[:2]
-            store.set(key, f"{host} {port}")
-            self._conns: dict[socket.socket, list] = {}  # -> [rank or None, leaving, pending bytes]
+            store.set(key, f"{host} {port}" + (f" {self._secret.hex()}" if in_store else ""))
+            self._peers: dict[socket.socket, _Peer] = {}
+            self._admitted: set[int] = set()
             self._wake_r, self._wake_w = socket.socketpair()  # stop() wakes the select
             target = self._serve
         else:
-            host, port = store.get(key).decode().split()
+            host, port, *shared = store.get(key).decode().split()
+            self._secret = bytes.fromhex(shared[0]) if secret is None else secret
             self._sock = socket.create_connection((host, int(port)), timeout=timeout)
+            self._pending = self._handshake(f"{host}:{port}")
             self._sock.settimeout(None)
-            self._sock.sendall(f"{rank}\n".encode())
             target = self._listen_to_rank0
         self._thread = threading.Thread(target=target, daemon=True, name="mcrdl-watchdog")
         self._thread.start()
@@ -65,59 +119,139 @@ class Watchdog:
         sel.register(self._listener, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
         while not self._stop.is_set():
-            for key, _ in sel.select():
+            for key, _ in sel.select(timeout=1.0):
                 sock = key.fileobj
                 if sock is self._wake_r:
                     break
                 if sock is self._listener:
-                    conn, _ = self._listener.accept()
-                    self._conns[conn] = [None, False, b""]
-                    sel.register(conn, selectors.EVENT_READ)
-                    continue
-                try:
-                    data = sock.recv(256)
-                except OSError:
-                    data = b""
-                state = self._conns[sock]
-                if data:
-                    *lines, state[2] = (state[2] + data).split(b"\n")
-                    for line in lines:
-                        if line == b"bye":
-                            state[1] = True
-                        elif state[0] is None:
-                            state[0] = int(line)
-                    continue
-                sel.unregister(sock)
-                sock.close()
-                del self._conns[sock]
-                if state[0] is not None and not state[1]:
-                    self._tell_all(f"dead {state[0]}\n".encode())
-                    self._died(state[0])
+                    self._accept(sel)
+                elif sock in self._peers:
+                    self._read(sel, sock)
+            now = time.monotonic()
+            for sock, peer in list(self._peers.items()):
+                if peer.rank is None and now - peer.since > HANDSHAKE_S:
+                    self._reject(sel, sock, "no handshake in time")
         sel.close()
 
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        waiting = [s for s, p in self._peers.items() if p.rank is None]
+        if len(waiting) >= MAX_PENDING:
+            self._reject(sel, min(waiting, key=lambda s: self._peers[s].since), "too many connections")
+        nonce = secrets.token_hex(16)
+        try:
+            conn.sendall(f"{nonce}\n".encode())
+        except OSError:
+            conn.close()
+            return
+        self._peers[conn] = _Peer(nonce, time.monotonic())
+        sel.register(conn, selectors.EVENT_READ)
+
+    def _read(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        peer = self._peers[sock]
+        try:
+            data = sock.recv(LINE_MAX)
+        except OSError:
+            data = b""
+        if not data:
+            self._close(sel, sock)
+            if peer.rank is not None and not peer.leaving:
+                self._tell_all(f"dead {peer.rank}\n".encode())
+                self._died(peer.rank)
+            return
+        *lines, peer.pending = (peer.pending + data).split(b"\n")
+        if len(peer.pending) > LINE_MAX:
+            return self._reject(sel, sock, "a line too long")
+        for line in lines:
+            if peer.rank is None:
+                why = self._admit(sock, peer, line)
+                if why:
+                    return self._reject(sel, sock, why)
+            elif line == b"bye":
+                peer.leaving = True
+            else:  # an admitted rank sends nothing else
+                self.rejected += 1
+
+    def _admit(self, sock: socket.socket, peer: _Peer, line: bytes) -> Optional[str]:
+        """Checks a hello ``RANK NONCE MAC``; admits the peer and answers, or says why not."""
+        try:
+            rank_text, nonce, mac = line.decode("ascii").split(" ")
+            rank = int(rank_text)
+        except (UnicodeDecodeError, ValueError):
+            return "not a hello"
+        if not 0 < rank < self.world_size:
+            return f"rank {rank_text!r} is not in the job"
+        if not hmac.compare_digest(mac, _mac(self._secret, "rank", str(rank), peer.nonce)):
+            return f"a hello for rank {rank} without the job's secret"
+        if rank in self._admitted:
+            return f"rank {rank} is connected already"
+        try:
+            sock.sendall(f"{_mac(self._secret, 'rank0', nonce)}\n".encode())
+        except OSError:
+            return "gone during the handshake"
+        peer.rank = rank
+        self._admitted.add(rank)
+        return None
+
+    def _reject(self, sel: selectors.BaseSelector, sock: socket.socket, why: str) -> None:
+        self.rejected += 1
+        if self.rejected == 1:
+            print(f"mcrdl: rank 0's watchdog dropped a connection that is not one of the job's "
+                  f"ranks ({why}); further ones are counted, not printed", file=sys.stderr, flush=True)
+        self._close(sel, sock)
+
+    def _close(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        sel.unregister(sock)
+        sock.close()
+        del self._peers[sock]
+
     def _tell_all(self, message: bytes) -> None:
-        for conn in list(self._conns):
+        for conn, peer in list(self._peers.items()):
+            if peer.rank is None:
+                continue
             try:
                 conn.sendall(message)
             except OSError:
                 pass  # that one is going too: its own end will be seen
 
     # -- every other rank ---------------------------------------------------------------------
+    def _handshake(self, where: str) -> bytes:
+        """Answers rank 0's nonce and checks its proof; returns what arrived after it."""
+        try:
+            nonce, rest = _read_line(self._sock, b"")
+            mine = secrets.token_hex(16)
+            mac = _mac(self._secret, "rank", str(self.rank), nonce.decode("ascii"))
+            self._sock.sendall(f"{self.rank} {mine} {mac}\n".encode())
+            proof, rest = _read_line(self._sock, rest)
+        except (OSError, UnicodeDecodeError) as exc:
+            self._sock.close()
+            raise RuntimeError(f"mcrdl: rank {self.rank}: the watchdog at {where} did not admit "
+                               f"this rank ({exc})") from exc
+        if not hmac.compare_digest(proof, _mac(self._secret, "rank0", mine).encode()):
+            self._sock.close()
+            raise RuntimeError(f"mcrdl: rank {self.rank}: the watchdog at {where} is not this "
+                               "job's rank 0 (it does not know the job's secret)")
+        return rest
+
     def _listen_to_rank0(self) -> None:
-        pending, leaving = b"", False
+        pending, leaving = self._pending, False
         while True:
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line == b"bye":
+                    leaving = True
+                elif line.startswith(b"dead ") and line[5:].isdigit():
+                    self._died(int(line[5:]))
             try:
-                data = self._sock.recv(256)
+                data = self._sock.recv(LINE_MAX)
             except OSError:
                 data = b""
             if not data:
                 break
-            *lines, pending = (pending + data).split(b"\n")
-            for line in lines:
-                if line == b"bye":
-                    leaving = True
-                elif line.startswith(b"dead "):
-                    self._died(int(line[5:]))
+            pending += data
         if not leaving:
             self._died(0)
 
@@ -129,7 +263,7 @@ class Watchdog:
             self._wake_w.send(b"x")
             self._thread.join(timeout=2)
             self._tell_all(b"bye\n")
-            for sock in [*self._conns, self._listener, self._wake_r, self._wake_w]:
+            for sock in [*self._peers, self._listener, self._wake_r, self._wake_w]:
                 sock.close()
             return
         try:

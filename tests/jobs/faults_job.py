@@ -9,6 +9,9 @@ WHEN: collective (victim fails while peers are inside a blocking op),
       between (victim fails after an op completed; peers then start the next),
       p2p (2 ranks: the survivor is inside a blocking recv from the victim).
 ACTION: kill (SIGKILL) | stall (stops calling, process alive).
+FAULT_STRANGERS=1: before the fault step, rank 1 attacks rank 0's watchdog
+(see ``strangers``) and rank 0 writes the connections it dropped to
+REPORT_DIR/rejected.
 Each survivor appends every error as it catches it to REPORT_DIR/rank<R>.jsonl
 (seconds from the fault step, message) and creates REPORT_DIR/done<R> at the
 end. Launch with ``--extra=-disable-auto-cleanup`` so that Hydra does not kill
@@ -18,6 +21,7 @@ survivor's MPI progress sees the dead peer: it has no fault tolerance).
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,6 +41,50 @@ x = torch.ones(1000)
 for b in backends:  # connections are up before the fault
     mcrdl.all_reduce(x, backend=b)
     mcrdl.all_gather_into_tensor(torch.empty(world * 1000), x, backend=b)
+
+
+def strangers() -> None:
+    """Rank 1 attacks rank 0's watchdog as a stranger on the network would:
+    false death claims, garbage, a flood of connections, a replayed hello and
+    goodbye, a second claim of a connected rank. None may end or blind it."""
+    from mcrdl import api
+    from mcrdl.watchdog import _mac
+    host, port = api._rt().store.get("watchdog/0").decode().split()[:2]
+    secret = api._rt().watchdog._secret  # the replay below needs a hello that once was valid
+
+    def connect():
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        return sock, sock.recv(64).decode().strip()  # rank 0's nonce
+
+    for payload in (b"1\n", b"dead 2\n", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"A" * 4000,
+                    b"\xff\xfe\n", b"1 2 3 4\n", b"-1 ab cd\n", b"bye\n"):
+        sock, _ = connect()
+        sock.sendall(payload)
+        sock.close()
+    flood = [socket.create_connection((host, int(port)), timeout=10) for _ in range(200)]
+    for sock in flood:
+        sock.close()
+    sock, nonce = connect()  # a hello valid for this nonce only
+    hello = f"2 {'ab' * 16} {_mac(secret, 'rank', '2', nonce)}\n".encode()
+    sock.close()
+    sock, _ = connect()
+    sock.sendall(hello + b"bye\n")  # replayed on a connection with another nonce
+    sock.close()
+    sock, nonce = connect()
+    sock.sendall(f"2 {'ab' * 16} {_mac(secret, 'rank', '2', nonce)}\n".encode())  # rank 2 is connected
+    assert sock.recv(64) == b"", "a second claim of rank 2 was admitted"
+    sock.close()
+
+
+if os.environ.get("FAULT_STRANGERS") == "1":
+    if rank == 1:
+        strangers()
+    time.sleep(1.0)  # a false death would be told within milliseconds
+    expected = x * world
+    mcrdl.all_reduce(x, backend=backends[0])
+    assert torch.equal(x, expected), "the step after the strangers is wrong"
+    if rank == 0:
+        (report_dir / "rejected").write_text(str(mcrdl.api._rt().watchdog.rejected))
 
 
 def fail() -> None:
