@@ -58,9 +58,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(n: int, args, report_dir: Path, timeout: float = 60) -> None:
+def _spawn(n: int, args, report_dir: Path, timeout: float = 60, frozen: int = -1) -> None:
     """Ranks as separate processes with torchrun's environment, and no agent
-    that kills the survivors when one dies."""
+    that kills the survivors when one dies. Rank ``frozen`` (stopped by
+    SIGSTOP) is killed once the others have reported, as a launcher would."""
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, str(JOBS / "faults_job.py"), *args, str(report_dir)],
                               env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
@@ -70,6 +71,11 @@ def _spawn(n: int, args, report_dir: Path, timeout: float = 60) -> None:
              for r in range(n)]
     deadline = time.monotonic() + timeout
     try:
+        if frozen >= 0:
+            while (len(list(report_dir.glob("done*"))) < n - 1 and time.monotonic() < deadline
+                   and all(p.poll() is None for r, p in enumerate(procs) if r != frozen)):
+                time.sleep(0.1)
+            procs[frozen].kill()
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
@@ -116,6 +122,61 @@ def test_without_the_watchdog_a_dead_store_host_is_named_by_every_survivor(tmp_p
     monkeypatch.setitem(ENV, "MCRDL_WATCHDOG", "0")
     _spawn(3, ["gloo", "collective", "kill", "0"], tmp_path)
     _check(_reports(tmp_path), [1, 2], "gloo", "rank 0, which serves it, is probably dead")
+
+
+@pytest.mark.parametrize("nprocs,victim", [(3, 1), (2, 0)])
+def test_frozen_rank_is_named_by_every_survivor_long_before_the_timeout(tmp_path, monkeypatch,
+                                                                        nprocs, victim):
+    """SIGSTOP (a node stuck in I/O or swapping): the rank's heartbeats stop
+    with it, and with MCRDL_FROZEN_S=2 every survivor names it about 2 s
+    after, with a group timeout of 60 s. Rank 0 frozen freezes the store too:
+    the others find it from its silence on their own connection."""
+    monkeypatch.setitem(ENV, "MCRDL_FROZEN_S", "2")
+    monkeypatch.setitem(ENV, "FAULT_TIMEOUT", "60")
+    _spawn(nprocs, ["gloo", "collective", "freeze", str(victim)], tmp_path, frozen=victim)
+    _check(_reports(tmp_path), [r for r in range(nprocs) if r != victim], "gloo",
+           f"rank {victim} is frozen (nothing heard from it for ", limit=0.5 + 2 + 1 + KILL_SLACK + 1)
+
+
+def test_frozen_rank_under_mcrdl_run_ends_the_whole_job(tmp_path, monkeypatch):
+    """mcrdl run (MPI and gloo live): the survivors name the frozen rank, abort
+    the MPI job, and Hydra kills every process, the stopped one too."""
+    monkeypatch.setitem(ENV, "MCRDL_FROZEN_S", "2")
+    monkeypatch.setitem(ENV, "FAULT_TIMEOUT", "60")
+    proc = _mpiexec(3, ["mixed", "collective", "freeze", "1"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode not in (0, 124), out[-3000:]
+    assert "rank 0: rank 1 is frozen" in out and "rank 2: rank 1 is frozen" in out, out[-3000:]
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert not left, f"processes left: {left}"
+
+
+def test_a_busy_rank_is_not_taken_for_frozen(tmp_path):
+    """MCRDL_FROZEN_S=1: rank 1 spends 3 s in a pure-Python loop, 3 s in
+    torch.save of 400 MB and 3 s asleep while rank 0 waits in an all_reduce;
+    the watchdog's thread beats through all of it, so nobody is called frozen."""
+    script = tmp_path / "busy.py"
+    script.write_text(
+        "import sys, time, torch, mcrdl\n"
+        "mcrdl.init_process_group(timeout=60)\n"
+        "x = torch.ones(4)\n"
+        "if mcrdl.get_rank() == 1:\n"
+        "    end = time.monotonic() + 3\n"
+        "    while time.monotonic() < end:\n"
+        "        sum(i * i for i in range(10000))\n"
+        "    end = time.monotonic() + 3\n"
+        "    while time.monotonic() < end:\n"
+        f"        torch.save(torch.ones(100_000_000), {str(tmp_path / 'ckpt.pt')!r})\n"
+        "    time.sleep(3)\n"
+        "mcrdl.all_reduce(x, backend='gloo')\n"
+        "assert torch.equal(x, torch.full((4,), 2.0)), x\n"
+        "print('rank', mcrdl.get_rank(), 'ok', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "90",
+                           str(script)], capture_output=True, text=True,
+                          env={**ENV, "MCRDL_FROZEN_S": "1"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "frozen" not in out, out[-3000:]
+    assert "rank 0 ok" in out and "rank 1 ok" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("launch", ["env", "mpiexec"])

@@ -22,7 +22,7 @@ from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
 from .types import CommTimeoutError, ReduceOp
-from .watchdog import Watchdog, watchdog_enabled
+from .watchdog import Watchdog, frozen_after, watchdog_enabled
 from .work import DEATH_GRACE_S, Engine, _seconds, set_wait_policy, wait_policy_from_env
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -302,7 +302,7 @@ class Runtime:
             single_host = self.local_size == self.world_size
             self.watchdog = Watchdog(self.store, self.rank, self.world_size,
                                      lambda: _listen(_store_address(single_host)),
-                                     self._peer_died, timeout, secret)
+                                     self._peer_died, timeout, secret, frozen_after())
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store,
                                  self.shared_gpu, self.mpi_missing)
@@ -566,9 +566,8 @@ class Runtime:
         rows = [raw[i * (n + 8):(i + 1) * (n + 8)] for i in range(g.size)]
         return [r[8:8 + int.from_bytes(r[:8], "little")] for r in rows]
 
-    def _peer_died(self, rank: int) -> None:
-        """The watchdog saw ``rank``'s process end (called on its thread)."""
-        how = f"rank {rank} died (its process ended)"
+    def _peer_died(self, rank: int, how: str) -> None:
+        """The watchdog saw ``rank``'s process end or freeze (called on its thread)."""
         self.engine.note_death(rank, how)
         if self.mpi_comm is not None:  # MPICH ends the job soon: say who first
             print(f"mcrdl: rank {self.rank}: {how}", file=sys.stderr, flush=True)

@@ -16,8 +16,14 @@ dropped and counted (:attr:`Watchdog.rejected`); only an admitted rank's
 connection ending without ``bye`` is a death. At most :data:`MAX_PENDING`
 connections wait for their handshake at once, the oldest going first.
 
-Heartbeats (:mod:`mcrdl.health`) still explain timeouts and frozen peers; this
-only reports processes that are gone. ``MCRDL_WATCHDOG=0`` turns it off.
+Frozen peers (SIGSTOP, a node stuck in I/O or swapping) are found on the same
+connections: every :func:`beat_interval` each end sends ``beat``, from this
+thread, so a rank busy in a long compute step, Python loop or checkpoint write
+still beats. A rank not heard from for ``MCRDL_FROZEN_S`` seconds (default 15;
+0: never) is reported frozen, by rank 0 to everyone, or by a rank of rank 0.
+
+Heartbeats in the store (:mod:`mcrdl.health`) still explain timeouts.
+``MCRDL_WATCHDOG=0`` turns the watchdog off.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from typing import Callable, Optional
 LINE_MAX = 256  # bytes: every line of the protocol is shorter
 HANDSHAKE_S = 30.0  # a connection not admitted by then is dropped
 MAX_PENDING = 64  # connections waiting for their handshake at once
+FROZEN_S = 15.0  # default MCRDL_FROZEN_S
 
 
 def watchdog_enabled() -> bool:
@@ -42,6 +49,27 @@ def watchdog_enabled() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"MCRDL_WATCHDOG must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def frozen_after() -> float:
+    """Seconds of silence after which a rank is frozen (``MCRDL_FROZEN_S``; 0: never)."""
+    raw = os.environ.get("MCRDL_FROZEN_S", str(FROZEN_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"MCRDL_FROZEN_S must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+def beat_interval(frozen_s: float) -> float:
+    """How often each end of a connection says it is alive."""
+    return min(1.0, frozen_s / 5) if frozen_s else 1.0
+
+
+def _frozen(rank: int, seconds: float) -> str:
+    return f"rank {rank} is frozen (nothing heard from it for {seconds:.1f} s)"
 
 
 def _mac(secret: bytes, *parts: str) -> str:
@@ -67,19 +95,24 @@ class _Peer:
     nonce: str
     since: float
     rank: Optional[int] = None  # set once admitted
+    heard: float = 0.0  # when the peer last sent anything
     leaving: bool = False
     pending: bytes = b""
 
 
 class Watchdog:
-    """Calls ``on_death(rank)`` (from its own thread) once per peer that dies.
+    """Calls ``on_death(rank, how)`` (from its own thread) once per peer that dies
+    or freezes, ``how`` saying which.
 
     ``secret`` is the job's key (sent over MPI by the runtime when MPI is live);
     ``None`` sends a fresh one with rank 0's address through the store."""
 
     def __init__(self, store, rank: int, world_size: int, listen: Callable[[], socket.socket],
-                 on_death: Callable[[int], None], timeout: float, secret: Optional[bytes] = None):
+                 on_death: Callable[[int, str], None], timeout: float,
+                 secret: Optional[bytes] = None, frozen_s: float = 0.0):
         self.rank = rank
+        self.frozen_s = frozen_s
+        self._beat_s = beat_interval(frozen_s)
         self.world_size = world_size
         self.on_death = on_death
         self.rejected = 0  # connections dropped as not the job's ranks (rank 0)
@@ -103,23 +136,24 @@ class Watchdog:
             self._secret = bytes.fromhex(shared[0]) if secret is None else secret
             self._sock = socket.create_connection((host, int(port)), timeout=timeout)
             self._pending = self._handshake(f"{host}:{port}")
-            self._sock.settimeout(None)
+            self._sock.settimeout(self._beat_s)
             target = self._listen_to_rank0
         self._thread = threading.Thread(target=target, daemon=True, name="mcrdl-watchdog")
         self._thread.start()
 
-    def _died(self, rank: int) -> None:
+    def _died(self, rank: int, how: str = "") -> None:
         if rank not in self._dead and not self._stop.is_set():
             self._dead.add(rank)
-            self.on_death(rank)
+            self.on_death(rank, how or f"rank {rank} died (its process ended)")
 
     # -- rank 0 ---------------------------------------------------------------------------
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._listener, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
+        beaten = 0.0
         while not self._stop.is_set():
-            for key, _ in sel.select(timeout=1.0):
+            for key, _ in sel.select(timeout=self._beat_s):
                 sock = key.fileobj
                 if sock is self._wake_r:
                     break
@@ -131,6 +165,13 @@ class Watchdog:
             for sock, peer in list(self._peers.items()):
                 if peer.rank is None and now - peer.since > HANDSHAKE_S:
                     self._reject(sel, sock, "no handshake in time")
+                elif (self.frozen_s and peer.rank is not None and not peer.leaving
+                      and peer.rank not in self._dead and now - peer.heard > self.frozen_s):
+                    self._tell_all(f"frozen {peer.rank} {now - peer.heard:.1f}\n".encode())
+                    self._died(peer.rank, _frozen(peer.rank, now - peer.heard))
+            if now - beaten >= self._beat_s:
+                self._tell_all(b"beat\n")
+                beaten = now
         sel.close()
 
     def _accept(self, sel: selectors.BaseSelector) -> None:
@@ -156,6 +197,7 @@ class Watchdog:
             data = sock.recv(LINE_MAX)
         except OSError:
             data = b""
+        peer.heard = time.monotonic()
         if not data:
             self._close(sel, sock)
             if peer.rank is not None and not peer.leaving:
@@ -172,7 +214,7 @@ class Watchdog:
                     return self._reject(sel, sock, why)
             elif line == b"bye":
                 peer.leaving = True
-            else:  # an admitted rank sends nothing else
+            elif line != b"beat":  # an admitted rank sends nothing else
                 self.rejected += 1
 
     def _admit(self, sock: socket.socket, peer: _Peer, line: bytes) -> Optional[str]:
@@ -192,7 +234,7 @@ class Watchdog:
             sock.sendall(f"{_mac(self._secret, 'rank0', nonce)}\n".encode())
         except OSError:
             return "gone during the handshake"
-        peer.rank = rank
+        peer.rank, peer.heard = rank, time.monotonic()
         self._admitted.add(rank)
         return None
 
@@ -238,19 +280,36 @@ class Watchdog:
 
     def _listen_to_rank0(self) -> None:
         pending, leaving = self._pending, False
+        heard = beaten = time.monotonic()
         while True:
             *lines, pending = pending.split(b"\n")
             for line in lines:
+                words = line.split()
                 if line == b"bye":
                     leaving = True
-                elif line.startswith(b"dead ") and line[5:].isdigit():
-                    self._died(int(line[5:]))
+                elif len(words) >= 2 and words[0] == b"dead" and words[1].isdigit():
+                    self._died(int(words[1]))
+                elif (len(words) == 3 and words[0] == b"frozen" and words[1].isdigit()
+                      and words[2].replace(b".", b"", 1).isdigit()):
+                    self._died(int(words[1]), _frozen(int(words[1]), float(words[2])))
+            now = time.monotonic()
+            if now - beaten >= self._beat_s:
+                try:
+                    self._sock.sendall(b"beat\n")
+                except OSError:
+                    pass  # rank 0 gone or stuck: its silence is seen below
+                beaten = now
+            if self.frozen_s and now - heard > self.frozen_s and not leaving:
+                self._died(0, _frozen(0, now - heard))
             try:
                 data = self._sock.recv(LINE_MAX)
+            except socket.timeout:
+                continue
             except OSError:
                 data = b""
             if not data:
                 break
+            heard = time.monotonic()
             pending += data
         if not leaving:
             self._died(0)
@@ -275,4 +334,4 @@ class Watchdog:
         self._sock.close()
 
 
-__all__ = ["Watchdog", "watchdog_enabled"]
+__all__ = ["Watchdog", "frozen_after", "watchdog_enabled"]

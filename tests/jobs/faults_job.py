@@ -8,7 +8,8 @@ WHEN: collective (victim fails while peers are inside a blocking op),
       async (peers have async ops outstanding, including p2p with the victim),
       between (victim fails after an op completed; peers then start the next),
       p2p (2 ranks: the survivor is inside a blocking recv from the victim).
-ACTION: kill (SIGKILL) | stall (stops calling, process alive).
+ACTION: kill (SIGKILL) | stall (stops calling, process alive) | freeze (SIGSTOP:
+the whole process stops, its threads too; the launcher kills it later).
 FAULT_STRANGERS=1: before the fault step, rank 1 attacks rank 0's watchdog
 (see ``strangers``) and rank 0 writes the connections it dropped to
 REPORT_DIR/rejected.
@@ -88,8 +89,8 @@ if os.environ.get("FAULT_STRANGERS") == "1":
 
 
 def fail() -> None:
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if action in ("kill", "freeze"):
+        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
     deadline = time.monotonic() + 120  # stuck: alive, not calling, until the survivors reported
     while len(list(report_dir.glob("done*"))) < survivors and time.monotonic() < deadline:
         time.sleep(0.1)
