@@ -47,10 +47,10 @@ def deepspeed(tmp_path_factory):
 
 def launch_command(launcher, nprocs, script, args, timeout):
     """The command line starting ``script`` on ``nprocs`` local ranks with ``launcher``:
-    mpiexec or torchrun (through `mcrdl run`), DeepSpeed's own launcher, or Lightning's
-    (the script run as is: the Trainer starts the other ranks)."""
+    mpiexec, torchrun or srun (through `mcrdl run`), DeepSpeed's own launcher, or
+    Lightning's (the script run as is: the Trainer starts the other ranks)."""
     path = str(EXAMPLES / script)
-    if launcher in ("mpiexec", "torchrun"):
+    if launcher in ("mpiexec", "torchrun", "srun"):
         return [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", launcher, "-n", str(nprocs),
                 "--timeout", str(timeout), path, *args]
     if launcher == "deepspeed":

@@ -53,11 +53,22 @@ def _slurm_master(env: Mapping[str, str]) -> dict:
     return found
 
 
+def srun_without_pmi(env: Mapping[str, str]) -> bool:
+    """srun started this task, one of several, and gave it no PMI (``--mpi=none``)."""
+    return ("SLURM_STEP_ID" in env and "RANK" not in env and int(env.get("SLURM_NTASKS", "1")) > 1
+            and not any(k in env for k in ("PMI_RANK", "PMI_FD", "PMIX_RANK")))
+
+
 def torchrun_env(env: Mapping[str, str]) -> dict:
     """The variables torchrun would set for this rank, from the launcher's variables in ``env``.
 
     Raises RuntimeError when no known launcher started this process."""
-    for name, rank, size, local_rank, local_size in LAUNCHER_VARS:
+    order = LAUNCHER_VARS
+    if "SLURM_STEP_ID" in env and env.get("PMI_SIZE", env.get("SLURM_NTASKS")) == env.get("SLURM_NTASKS"):
+        # srun started us (its PMI plugin sets PMI_RANK too): Slurm also knows the first node.
+        # A batch script has no SLURM_STEP_ID; an mpiexec inside a one-task step has other sizes.
+        order = sorted(LAUNCHER_VARS, key=lambda vars: vars[0] != "Slurm")
+    for name, rank, size, local_rank, local_size in order:
         if rank in env and size in env:
             out = {"RANK": env[rank], "WORLD_SIZE": env[size],
                    "LOCAL_RANK": env.get(local_rank, "0")}

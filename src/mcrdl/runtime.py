@@ -19,6 +19,7 @@ from .backends import REGISTRY, Backend, Context
 from . import pmi
 from .backends.mpi import init_launched, library_name, mpi_launched
 from .health import Health, heartbeat_interval
+from .rank_env import srun_without_pmi, torchrun_env
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
 from .types import CommTimeoutError, ReduceOp
@@ -373,6 +374,12 @@ class Runtime:
         """Identity from the launcher: MPI (mpiexec/srun), torchrun's environment (then MPI
         over the store, :mod:`mcrdl.pmi`), or a single process."""
         env = os.environ
+        if srun_without_pmi(env):  # srun --mpi=none: Slurm's variables say what torchrun's would
+            env.update(torchrun_env(env))
+            if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+                raise RuntimeError("mcrdl: srun started this task without PMI, and rank 0's node "
+                                   "could not be found (scontrol show hostnames failed): use "
+                                   "srun --mpi=pmi2, or set MASTER_ADDR and MASTER_PORT")
         if mpi_launched() or not ("RANK" in env and "WORLD_SIZE" in env):
             MPI = init_launched()
             self.mpi_comm = MPI.COMM_WORLD
