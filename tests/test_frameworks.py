@@ -188,3 +188,23 @@ def test_lightning_launcher_falls_back_loudly(request):
     assert "mcrdl: MPI is not live" in out and "LightningEnvironment()" in out, out[-3000:]
     assert out.count("mcrdl: MPI is not live") == 1  # said once, by rank 0
     assert result["losses"] == gloo
+
+
+@pytest.mark.parametrize("example,launcher,fault,frozen_s", [
+    pytest.param("fsdp2", "torchrun", "freeze", "3", id="fsdp2-torchrun-freeze"),
+    pytest.param("deepspeed_zero3", "mpiexec", "kill", "15", id="deepspeed_zero3-mpiexec-kill"),
+])
+def test_a_rank_lost_mid_training_ends_the_job(request, example, launcher, fault, frozen_s):
+    """benchmarks/faults_frameworks.py's case, 2 ranks: rank 1 of a training job
+    SIGKILLed or SIGSTOPped 6 s after init. A survivor names it (frozen: from
+    liveness, MCRDL_FROZEN_S=3 here, not the group timeout), the job ends
+    non-zero and no process of it is left. (Every case, 2 and 4 ranks, both
+    launchers: docs/results/faults_frameworks.md.)"""
+    needs(request, example)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from faults_frameworks import case
+    row = case(example, launcher, fault, 2, delay=6, limit=240,
+               env={**os.environ, **ENV, "MCRDL_FROZEN_S": frozen_s})
+    out = row["output_tail"]
+    assert row["exit"] != 0 and row["named_s"] is not None and row["left"] == 0, (row, out)
+    assert row["named_s"] <= (1.0 if fault == "kill" else 3.0 + 1.5), row

@@ -600,12 +600,14 @@ class Engine:
 
     def _block_watched(self, pending: Pending, deadline: float, op: str, backend: str,
                        group) -> bool:
-        """``pending.block(deadline)``; inside a self-progressing library (gloo,
-        nccl) in slices of :data:`WATCH_S` (a completed op returns within the
-        first), raising :class:`PeerDiedError` between slices. Not sliced: MPI
-        (MPICH ends the job when a rank dies) and requests a timed-out wait
-        would fail (gloo send/recv, whose peer's death the library sees itself)."""
-        if pending.progress_domain is not None or not pending.resumable_block:
+        """``pending.block(deadline)`` in slices of :data:`WATCH_S` (a completed
+        op returns within the first), raising :class:`PeerDiedError` between
+        slices: a dead or frozen peer fails the op, in every library. MPI
+        needs it too: under a launcher other than MPI's, nobody ends an MPI job
+        whose rank died, and no launcher ends one whose rank froze. Not sliced:
+        requests a timed-out wait would fail (gloo send/recv, whose peer's
+        death the library sees itself)."""
+        if not pending.resumable_block:
             return pending.block(deadline)
         while True:
             step = min(deadline, time.monotonic() + WATCH_S)
