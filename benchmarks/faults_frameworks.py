@@ -108,23 +108,35 @@ def main():
     console.print(table)
     doc = {"environment": environment(), "load_before": load_before, "args": vars(args), "cases": rows}
     write_json(os.path.splitext(args.out)[0] + ".json", doc, console)
-    md = ["# A rank killed or frozen mid-training (FSDP2, DeepSpeed ZeRO-3)", "",
-          f"`python benchmarks/faults_frameworks.py` ({__doc__.split(chr(10))[2].strip()} ...; see its docstring).",
-          "", f"- date: {doc['environment']['date']}, {doc['environment']['cpus']} CPUs, load average "
-          f"before {load_before[0]:.2f}, after {doc['environment']['loadavg_at_end'][0]:.2f}",
-          f"- fault {args.delay:g} s after init, on rank 1; MCRDL_FROZEN_S = "
-          f"{env.get('MCRDL_FROZEN_S', '15 (default)')}; `mcrdl run --timeout {args.limit}`",
-          "- named: the first survivor line naming rank 1, seconds after the fault; ended: the "
-          "launcher's return; left: the job's processes still alive after it returned",
-          "", "## Result", "", "| example | launcher | fault | ranks | named (s) | ended (s) | exit | left | message |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        msg = (r["message"] or "").replace("|", "\\|")[:140]
-        md.append(f"| {r['example']} | {r['launcher']} | {r['fault']} | {r['ranks']} | {r['named_s']} | "
-                  f"{r['ended_s']} | {r['exit']} | {r['left']} | `{msg}` |")
-    with open(args.out, "w") as f:
-        f.write("\n".join(md) + "\n")
+    write_page(doc, args.out)
     console.print(f"wrote {args.out}", highlight=False)
+
+
+def write_page(doc: dict, out: str) -> None:
+    """The results page from a run's JSON document."""
+    args, env = doc["args"], doc["environment"]
+    frozen = args["frozen_s"] if args["frozen_s"] is not None else "15 (default)"
+    md = ["# A rank killed or frozen mid-training (FSDP2, DeepSpeed ZeRO-3)", "",
+          "```bash", "python benchmarks/faults_frameworks.py", "```", "",
+          "Each example runs unchanged on \"mcrdl\" under `tests/jobs/fault_inject.py`, which "
+          "SIGKILLs or SIGSTOPs rank 1 a fixed time after init (see the benchmark's docstring).", "",
+          f"- {env['date']}, {env['cpus']} CPUs, load average before {doc['load_before'][0]:.2f}, "
+          f"after {env['loadavg_at_end'][0]:.2f}; nothing else running",
+          f"- fault {args['delay']:g} s after init, on rank 1; MCRDL_FROZEN_S = {frozen}; "
+          f"`mcrdl run --timeout {args['limit']}`",
+          "- named: the first survivor line naming rank 1, seconds after the fault (none: the "
+          "launcher ended the job first); ended: the launcher's return; exit: its status; left: "
+          "the job's processes still alive after it returned",
+          "", "## Result", "",
+          "| example | launcher | fault | ranks | named (s) | ended (s) | exit | left | first survivor's line |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["cases"]:
+        m = re.search(r"mcrdl: rank \d+: rank 1 (died|is frozen)[^)]*\)", r["message"] or "")
+        md.append(f"| {r['example']} | {r['launcher']} | {r['fault']} | {r['ranks']} | "
+                  f"{'none' if r['named_s'] is None else r['named_s']} | {r['ended_s']} | {r['exit']} | "
+                  f"{r['left']} | {'`' + m.group(0) + '`' if m else ''} |")
+    with open(out, "w") as f:
+        f.write("\n".join(md) + "\n")
 
 
 if __name__ == "__main__":
