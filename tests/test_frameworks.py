@@ -89,8 +89,9 @@ def run_example(nprocs, script, backend, *args, launcher="mpiexec", timeout=480,
 
     A gloo reference run that aborts at exit after its RESULT ("terminate called
     without an active exception": torch's gloo worker thread drops the last
-    reference to a finished all_reduce's tensors while the interpreter is
-    finalizing) is run once more; any other failure, and any on mcrdl, fails."""
+    reference to an all_reduce that was still running when the interpreter
+    began finalizing, benchmarks/gloo_exit_abort.py) is run once more; any
+    other failure, and any on mcrdl, fails."""
     cmd = launch_command(launcher, nprocs, script, [*args, "--backend", backend], timeout)
     what = " ".join([script, *args, "--backend", backend, "under", launcher])
     for attempt in (1, 2):
