@@ -199,8 +199,8 @@ def test_lightning_launcher_falls_back_loudly(request):
 
 
 @pytest.mark.parametrize("example,launcher,fault,frozen_s", [
-    pytest.param("fsdp2", "torchrun", "freeze", "3", id="fsdp2-torchrun-freeze"),
-    pytest.param("deepspeed_zero3", "mpiexec", "kill", "15", id="deepspeed_zero3-mpiexec-kill"),
+    pytest.param("fsdp2", "mpiexec", "freeze", "3", id="fsdp2-mpiexec-freeze"),
+    pytest.param("deepspeed_zero3", "torchrun", "kill", "15", id="deepspeed_zero3-torchrun-kill"),
 ])
 def test_a_rank_lost_mid_training_ends_the_job(request, example, launcher, fault, frozen_s):
     """benchmarks/faults_frameworks.py's case, 2 ranks: rank 1 of a training job

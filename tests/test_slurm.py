@@ -57,12 +57,11 @@ def live_on_every_rank(out, nprocs):
         assert sorted(map(int, ranks)) == list(range(nprocs)), out[-4000:]
 
 
-@pytest.mark.parametrize("nprocs", [2, 4])
-def test_mcrdl_run_srun_every_op_on_mpi(slurm, nprocs):
+def test_mcrdl_run_srun_every_op_on_mpi(slurm):
     """`mcrdl run --launcher srun`: Slurm's PMI-2 starts MPI; every op x dtype x size x
-    sync/async agrees with the local references."""
-    rc, out = mcrdl_run_srun(nprocs, str(JOBS / "ops_job.py"), "mpi")
-    assert rc == 0 and len(re.findall(r"OK (\d+) checks on \['mpi'\]", out)) == nprocs, out[-4000:]
+    sync/async agrees with the local references (4 ranks: the plain srun test below)."""
+    rc, out = mcrdl_run_srun(2, str(JOBS / "ops_job.py"), "mpi")
+    assert rc == 0 and len(re.findall(r"OK (\d+) checks on \['mpi'\]", out)) == 2, out[-4000:]
 
 
 @pytest.mark.parametrize("mpi_plugin", ["pmi2", "none"])
