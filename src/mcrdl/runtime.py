@@ -19,7 +19,6 @@ from .backends import REGISTRY, Backend, Context
 from . import pmi
 from .backends.mpi import init_launched, library_name, mpi_launched
 from .health import Health, heartbeat_interval
-from .rank_env import srun_without_pmi, torchrun_env
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
 from .types import CommTimeoutError, ReduceOp
@@ -373,6 +372,8 @@ class Runtime:
     def _launch(self, want_mpi: bool) -> None:
         """Identity from the launcher: MPI (mpiexec/srun), torchrun's environment (then MPI
         over the store, :mod:`mcrdl.pmi`), or a single process."""
+        from .rank_env import srun_without_pmi, torchrun_env  # (not at import: `python -m mcrdl.rank_env`)
+
         env = os.environ
         if srun_without_pmi(env):  # srun --mpi=none: Slurm's variables say what torchrun's would
             env.update(torchrun_env(env))
