@@ -67,7 +67,7 @@ def torchrun_env(env: Mapping[str, str]) -> dict:
     if "SLURM_STEP_ID" in env and env.get("PMI_SIZE", env.get("SLURM_NTASKS")) == env.get("SLURM_NTASKS"):
         # srun started us (its PMI plugin sets PMI_RANK too): Slurm also knows the first node.
         # A batch script has no SLURM_STEP_ID; an mpiexec inside a one-task step has other sizes.
-        order = sorted(LAUNCHER_VARS, key=lambda vars: vars[0] != "Slurm")
+        order = sorted(LAUNCHER_VARS, key=lambda launcher: launcher[0] != "Slurm")
     for name, rank, size, local_rank, local_size in order:
         if rank in env and size in env:
             out = {"RANK": env[rank], "WORLD_SIZE": env[size],
