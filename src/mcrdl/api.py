@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Sequence, Union
 
 import torch
+from torch.autograd import profiler as _torch_profiler
 
 from . import facts
 from .backends import REGISTRY
@@ -393,10 +394,11 @@ def _submit(op: str, g: Group, nbytes: int, ref: torch.Tensor, explicit: Optiona
                                     lambda n: sel.why_not(n, op, device, ref.dtype, reduce_op) is None)
         name = picked or name
     engine = rt.engine
-    if rt.logger is not None:
+    observer = rt.traced if _torch_profiler._is_profiler_enabled else rt.observer
+    if observer is not None:
         elem = ref.element_size()
-        post = [rt.logger.begin(op, name, g, nbytes, async_op, peer,
-                                None if counts is None else [c * elem for c in counts]), *post]
+        post = [observer.begin(op, name, g, nbytes, async_op, peer,
+                               None if counts is None else [c * elem for c in counts], reads, writes), *post]
     if async_op:  # not timed: see mcrdl.autotune
         timing = None
     # CUDA: NCCL and staged MPI return once their results are stream-ordered,
@@ -507,8 +509,9 @@ def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tupl
     zero-byte op (a collective: same on every rank) sends nothing."""
     if not nbytes and skip_empty:
         return _skip(rt, op, async_op, result)
+    observer = rt.traced if _torch_profiler._is_profiler_enabled else rt.observer
     if not async_op:
-        if rt.logger is None:  # _block's unlogged case, inline: one call fewer
+        if observer is None:  # _block's unobserved case, inline: one call fewer
             pending = start(*args)
             if pending is not DONE:
                 rt.engine.block(op, name, pending, g, reads, writes)
@@ -517,7 +520,7 @@ def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tupl
         return None
     engine = rt.engine
     spans = engine.order_before(reads, writes, op) if engine.outstanding else None
-    post = () if rt.logger is None else (rt.logger.begin(op, name, g, nbytes, True, peer, None),)
+    post = () if observer is None else (observer.begin(op, name, g, nbytes, True, peer, None, reads, writes),)
     try:
         pending = start(*args)
     except Exception as exc:
@@ -529,14 +532,14 @@ def _fast(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tupl
 
 def _block(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tuple, nbytes: int,
            reads, writes, peer: int = -1, counts=None) -> None:
-    """``start(*args)`` a fast-path op (logged as the general path logs it) and wait for it."""
-    logger = rt.logger
-    if logger is None:
+    """``start(*args)`` a fast-path op (observed as the general path observes it) and wait for it."""
+    observer = rt.traced if _torch_profiler._is_profiler_enabled else rt.observer
+    if observer is None:
         pending = start(*args)
         if pending is not DONE:  # not finished inside the backend
             rt.engine.block(op, name, pending, g, reads, writes)
         return
-    post = (logger.begin(op, name, g, nbytes, False, peer, counts),)
+    post = (observer.begin(op, name, g, nbytes, False, peer, counts, reads, writes),)
     rt.engine.block(op, name, start(*args), g, reads, writes, post)
 
 
@@ -557,7 +560,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = N
             if plan is not None:
                 nbytes = kind[0]
                 if nbytes:
-                    if rt.logger is None:
+                    if rt.observer is None and not _torch_profiler._is_profiler_enabled:
                         pending = plan[1](tensor)
                         if pending is not DONE:
                             rt.engine.block("all_reduce", plan[0], pending, g, (tensor,))
@@ -920,12 +923,12 @@ def _rooted_fast(op: str, tensor, parts, global_root, group: Optional[Group], as
         return True
     gather = op == "gather"
     args = (whole, tensor) if gather else (tensor, whole)
-    logger = rt.logger
-    pending = start(*args) if logger is None else None
+    unobserved = rt.observer is None and not _torch_profiler._is_profiler_enabled
+    pending = start(*args) if unobserved else None
     if pending is not DONE:
         blocks = () if whole is None else tuple(parts)  # (kept alive if the op is abandoned: not the caller's list)
         reads, writes = ((tensor,), blocks) if gather else (blocks, (tensor,))
-        if logger is None:
+        if unobserved:
             rt.engine.block(op, name, pending, g, reads, writes)
         else:
             _block(rt, g, op, name, start, args, kind[0] * g.size, reads, writes, root)
@@ -997,7 +1000,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
                     return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group,
                                               async_op, backend)
             counts = None  # bytes per peer with split sizes (Alltoallv), for the logger only
-            if rt.logger is not None and not even:
+            if rt.observer is not None and not even:
                 counts = [c * input.element_size() for c in in_counts]
             _block(rt, g, "all_to_all_single", name, run, (output, input, out_counts, in_counts),
                    both[0], (input,), (output,), counts=counts)
@@ -1223,7 +1226,8 @@ def _p2p_fast(op: str, tensor, peer, group, tag, backend, async_op: bool = False
     key = (op, kind, backend, peer, tag)
     name, start, gpeer = g.starters.get(key) or _remember(
         g, key, _p2p_fast_plan(rt, g, op, tensor, peer, tag, backend, async_op))
-    if not async_op and rt.logger is None:  # _fast's unlogged blocking case, inline
+    if not async_op and rt.observer is None and not _torch_profiler._is_profiler_enabled:
+        # _fast's unobserved blocking case, inline
         pending = start(tensor)
         if pending is not DONE:
             rt.engine.block(op, name, pending, g, *_p2p_touches(op, tensor))

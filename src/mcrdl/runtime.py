@@ -18,6 +18,7 @@ from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
 from . import pmi
 from .backends.mpi import init_launched, library_name, mpi_launched
+from .features.profiler import PROFILER, observers
 from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
@@ -349,6 +350,10 @@ class Runtime:
             self.logger = CommsLogger(self.rank, self.world_size,
                                       lambda data: self.control_allgather(self.world, data),
                                       None if self.autotune is None else self.autotune.report)
+        #: what the API reports each op to (mcrdl.features.profiler): None
+        #: when nothing observes; ``traced`` while a torch profiler records
+        self.observer = observers(self.logger)
+        self.traced = observers(self.logger, PROFILER)
 
     def _keep_backends_live_everywhere(self, failed: Optional[BaseException]) -> None:
         """Drop the backends that did not start on every rank (say a GPU on some

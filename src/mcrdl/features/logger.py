@@ -111,7 +111,7 @@ class CommsLogger:
         return [json.loads(b) for b in self._gather(json.dumps(doc).encode())]
 
     def begin(self, op: str, backend: str, group, nbytes: int, async_op: bool,
-              root: int = -1, counts=None):
+              root: int = -1, counts=None, reads=(), writes=()):
         """Record a submitted op; returns the callback that completes it."""
         rec = Record(len(self.records), op, backend, group.name, group.ranks, nbytes, async_op,
                      time.perf_counter() - self._t0, root=root,
