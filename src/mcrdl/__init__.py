@@ -2,7 +2,7 @@
 each operation routed to the best one for its op, group size and message size."""
 from .api import (DTYPES, all_gather, all_gather_into_tensor, all_gather_single, all_reduce,
                   all_to_all, all_to_all_single, autotune_report, available_backends, barrier, batch_isend_irecv,
-                  broadcast, destroy_process_group, explain, gather, get_backend_versions,
+                  broadcast, destroy_process_group, dump_flight_recorder, explain, gather, get_backend_versions,
                   get_default_backend, get_global_rank, get_group_rank, get_local_rank,
                   get_local_size, get_rank, get_world_size, init_process_group, irecv,
                   is_initialized, isend, live_backends, monitored_barrier, new_group, recv,

@@ -237,6 +237,13 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
     return f"{op} of {nbytes} B on {device}, group size {size}: {name} ({why})"
 
 
+def dump_flight_recorder() -> Optional[str]:
+    """Write this rank's flight recorder dump now (torch's format, for
+    ``torchfrtrace``; see :mod:`mcrdl.features.flight_recorder`); returns its
+    path, or None when the recorder is off (``TORCH_FR_BUFFER_SIZE`` unset or 0)."""
+    return _rt().dump_flight_recorder("requested")
+
+
 def autotune_report() -> Optional[dict]:
     """What in-situ autotune tried, measured and chose on this rank (None when
     it is off): ``buckets`` (one row per group, op class and size bucket; a

@@ -18,6 +18,7 @@ from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
 from . import pmi
 from .backends.mpi import init_launched, library_name, mpi_launched
+from .features.flight_recorder import FlightRecorder, buffer_size, dump_prefix
 from .features.profiler import PROFILER, observers
 from .health import Health, heartbeat_interval
 from .selector import Selector, parse_op_backends
@@ -27,6 +28,7 @@ from .watchdog import Watchdog, frozen_after, watchdog_enabled
 from .work import DEATH_GRACE_S, Engine, _seconds, set_wait_policy, wait_policy_from_env
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+FR_WAIT_S = 5.0  # seconds a rank that asked for every flight recorder dump waits for them
 
 
 class Group:
@@ -343,6 +345,14 @@ class Runtime:
         if comms_log is None:
             comms_log = os.environ.get("MCRDL_COMMS_LOG", "0") == "1"
         self.logger = None
+        #: the flight recorder (mcrdl.features.flight_recorder), on when TORCH_FR_BUFFER_SIZE > 0
+        self.recorder = None
+        if buffer_size():
+            self.recorder = FlightRecorder(self.rank, buffer_size(), dump_prefix())
+            self.recorder.on_signal()
+            if self.watchdog is not None:
+                self.watchdog.on_dump = lambda asker: self.dump_flight_recorder(
+                    f"asked by rank {asker}", confirm=True)
         self.groups: list[Group] = []
         self.world = self.new_group(range(self.world_size), timeout, name="world")
         if comms_log:  # an observer: the API reports each op to it
@@ -352,8 +362,8 @@ class Runtime:
                                       None if self.autotune is None else self.autotune.report)
         #: what the API reports each op to (mcrdl.features.profiler): None
         #: when nothing observes; ``traced`` while a torch profiler records
-        self.observer = observers(self.logger)
-        self.traced = observers(self.logger, PROFILER)
+        self.observer = observers(self.logger, self.recorder)
+        self.traced = observers(self.logger, self.recorder, PROFILER)
 
     def _keep_backends_live_everywhere(self, failed: Optional[BaseException]) -> None:
         """Drop the backends that did not start on every rank (say a GPU on some
@@ -579,9 +589,29 @@ class Runtime:
         rows = [raw[i * (n + 8):(i + 1) * (n + 8)] for i in range(g.size)]
         return [r[8:8 + int.from_bytes(r[:8], "little")] for r in rows]
 
+    def dump_flight_recorder(self, why: str, ask_peers: bool = False, confirm: bool = False) -> Optional[str]:
+        """Dump the flight recorder (None when it is off); ``ask_peers``: every
+        other rank dumps too, and this one waits (at most FR_WAIT_S) until they
+        have; ``confirm``: count this dump for such a wait."""
+        if self.recorder is None:
+            return None
+        key = "flight_recorder/dumps"
+        asked = ask_peers and self.watchdog is not None and self.store is not None
+        before = self.store.add(key, 0) if asked else 0
+        if asked:
+            self.watchdog.ask_all_to_dump()
+        path = self.recorder.dump(why)
+        if confirm and self.store is not None:
+            self.store.add(key, 1)
+        deadline = time.monotonic() + FR_WAIT_S
+        while asked and self.store.add(key, 0) < before + self.world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return path
+
     def _peer_died(self, rank: int, how: str) -> None:
         """The watchdog saw ``rank``'s process end or freeze (called on its thread)."""
         self.engine.note_death(rank, how)
+        self.dump_flight_recorder(how)
         if self.mpi_comm is not None:  # MPICH ends the job soon: say who first
             print(f"mcrdl: rank {self.rank}: {how}", file=sys.stderr, flush=True)
             if not self._abort_at_exit:  # MPI_Finalize would wait for the dead rank forever
@@ -599,6 +629,9 @@ class Runtime:
         for it forever: the MPI job is aborted at exit instead. A point-to-point
         op that timed out was withdrawn and leaves nothing behind."""
         timed_out = isinstance(work._error, CommTimeoutError)
+        if self.recorder is not None:
+            self.dump_flight_recorder(f"{work.op} on backend '{work.backend}' "
+                                      f"{'timed out' if timed_out else 'failed'}", ask_peers=True)
         if (self.mpi_comm is not None and not self._abort_at_exit
                 and (work.op not in POINT_TO_POINT or not timed_out)):
             self._abort_at_exit = True
@@ -621,6 +654,8 @@ class Runtime:
         if self.watchdog is not None:  # first: peers must not take what follows for a death
             self.watchdog.stop()
             self.watchdog = None
+        if self.recorder is not None:
+            self.recorder.close()
         if self.health is not None:
             self.health.stop()
             self.health = None

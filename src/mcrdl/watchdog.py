@@ -116,6 +116,9 @@ class Watchdog:
         self.world_size = world_size
         self.on_death = on_death
         self.rejected = 0  # connections dropped as not the job's ranks (rank 0)
+        #: called (from this thread) with the asking rank when another rank asks every rank
+        #: to dump its flight recorder (:meth:`ask_all_to_dump`)
+        self.on_dump: Optional[Callable[[int], None]] = None
         self._stop = threading.Event()
         self._dead: set[int] = set()
         # a fresh key per init: the same store may serve several inits in turn
@@ -145,6 +148,20 @@ class Watchdog:
         if rank not in self._dead and not self._stop.is_set():
             self._dead.add(rank)
             self.on_death(rank, how or f"rank {rank} died (its process ended)")
+
+    def ask_all_to_dump(self) -> None:
+        """Every other rank dumps its flight recorder (rank 0 passes the word on)."""
+        try:
+            if self.rank == 0:
+                self._tell_all(b"dump 0\n")
+            else:
+                self._sock.sendall(b"dump\n")
+        except OSError:
+            pass  # rank 0 is gone: the others learn that on their own
+
+    def _dump(self, asker: int) -> None:
+        if self.on_dump is not None and not self._stop.is_set():
+            self.on_dump(asker)
 
     # -- rank 0 ---------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -214,6 +231,9 @@ class Watchdog:
                     return self._reject(sel, sock, why)
             elif line == b"bye":
                 peer.leaving = True
+            elif line == b"dump":
+                self._tell_all(f"dump {peer.rank}\n".encode())
+                self._dump(peer.rank)
             elif line != b"beat":  # an admitted rank sends nothing else
                 self.rejected += 1
 
@@ -289,6 +309,9 @@ class Watchdog:
                     leaving = True
                 elif len(words) >= 2 and words[0] == b"dead" and words[1].isdigit():
                     self._died(int(words[1]))
+                elif len(words) == 2 and words[0] == b"dump" and words[1].isdigit():
+                    if int(words[1]) != self.rank:  # (rank 0 tells the asker too)
+                        self._dump(int(words[1]))
                 elif (len(words) == 3 and words[0] == b"frozen" and words[1].isdigit()
                       and words[2].replace(b".", b"", 1).isdigit()):
                     self._died(int(words[1]), _frozen(int(words[1]), float(words[2])))
