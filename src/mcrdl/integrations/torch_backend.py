@@ -576,3 +576,30 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
 
     start_coalescing = _start_coalescing
     end_coalescing = _end_coalescing
+
+
+def _run_outside_dynamo(*classes) -> None:
+    """torch calls these classes' methods from eager code while dynamo's frame
+    hook is live (a graph break at ``dist.broadcast`` in a compiled function,
+    DDP's own forward under ``torch.compile(DDP(model))``); dynamo would then
+    trace them and fail on the opaque ProcessGroup. Marked, they and every
+    frame they call run as plain Python, at no cost per call (the mark torch's
+    own ``skip_code`` sets, recursive); a torch without it gets
+    ``torch.compiler.disable`` (about 0.6 µs a call)."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    except ImportError:
+        set_code_exec_strategy = skip = None
+    for cls in classes:
+        for name, fn in list(vars(cls).items()):
+            if name.startswith("__") or not callable(fn) or not hasattr(fn, "__code__"):
+                continue
+            if skip is not None:
+                set_code_exec_strategy(fn.__code__, skip)
+            else:
+                setattr(cls, name, torch.compiler.disable(fn))
+
+
+_run_outside_dynamo(ProcessGroupMCRDL, MCRDLTorchWork)
