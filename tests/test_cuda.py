@@ -1,6 +1,7 @@
 """CUDA paths: NCCL ops and program order against the CPU backends, with one
 rank per GPU (NCCL refuses two ranks on one GPU); skipped without CUDA."""
 import json
+import re
 import subprocess
 import sys
 
@@ -78,3 +79,15 @@ def test_demo_on_cuda_tensors(tmp_path):
     modes = {r["mode"] for r in doc["rows"]}
     assert {"baseline-gloo", "baseline-mpi_staged", "tuned"} <= modes
     assert ("baseline-nccl" in modes) == (GPUS >= 2)
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_cuda_ops_in_the_profiler_and_the_flight_recorder(tmp_path, nprocs):
+    out = run_job(nprocs, "cuda_observe_job.py", tmp_path, timeout=300,
+                  env={"TORCH_FR_BUFFER_SIZE": "100", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr_rank_")})
+    checks = re.findall(r"^CHECK (.*) rank=(\d+) (ok|FAIL.*)$", out, re.M)
+    assert checks and all(v == "ok" for _, _, v in checks), "\n".join(" ".join(c) for c in checks) + out[-3000:]
+    fixed = {"one event per op and library", "tensor shapes and bytes", "every event finished",
+             "flight recorder entries", "entries completed"}
+    for rank in range(nprocs):
+        assert fixed <= {name for name, r, _ in checks if r == str(rank)}, out[-3000:]
