@@ -3,16 +3,16 @@ per call and per training step, beside DeepSpeed's communication logger.
 
     DS_ACCELERATOR=cpu mcrdl run -n 2 benchmarks/observer_cost.py --record docs/results/observer_cost
 
-Per call: a 4-byte all_reduce on MPI with nothing observing, the logger, the
-flight recorder, and both (interleaved rounds, medians of the slowest rank).
-Per step: DeepSpeed MoE (examples/frameworks/deepspeed_moe.py's model, top-2)
+Per step (first, while the logger holds few records): DeepSpeed MoE (examples/frameworks/deepspeed_moe.py's model, top-2)
 on the "mcrdl" backend, blocks of steps in turn with nothing observing,
 mcrdl's logger, mcrdl's flight recorder and DeepSpeed's comms logger
 (``prof_all``: it times each of DeepSpeed's communication calls, after a
 device synchronize that is free on CPU; on GPUs it waits for the device on
 every op), all in one job, so the machine's drift hits every mode alike. The
 observers are switched by swapping the runtime's observer; no profiler
-records. ``--record PREFIX`` writes PREFIX.json and PREFIX.md.
+records. Per call: a 4-byte all_reduce on MPI with nothing observing, the
+logger, the flight recorder, and both (interleaved rounds, medians of the
+slowest rank). ``--record PREFIX`` writes PREFIX.json and PREFIX.md.
 """
 import argparse
 import os
@@ -68,18 +68,6 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
-# -- per call -----------------------------------------------------------------------------
-per_call = {m: [] for m in MODES}
-x = torch.ones(1)
-for r in range(args.call_rounds):
-    for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-        watch(mode)
-        mcrdl.barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            mcrdl.all_reduce(x)
-        per_call[mode].append(slowest((time.perf_counter() - t0) / args.calls) * 1e6)
-
 # -- per step -----------------------------------------------------------------------------
 torch.manual_seed(1234)
 model = Net(world, ep_size=world, k=2)
@@ -115,6 +103,19 @@ ds_comm.configure(enabled=False)
 # each rank's step times, the slowest rank's per step
 for mode in STEP_MODES:
     per_step[mode] = [slowest(s) * 1e3 for s in per_step[mode]]
+
+# -- per call -----------------------------------------------------------------------------
+per_call = {m: [] for m in MODES}
+x = torch.ones(1)
+for r in range(args.call_rounds):
+    for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
+        watch(mode)
+        mcrdl.barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            mcrdl.all_reduce(x)
+        per_call[mode].append(slowest((time.perf_counter() - t0) / args.calls) * 1e6)
+
 
 if rank == 0:
     env = environment(deepspeed=deepspeed.__version__)

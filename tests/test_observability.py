@@ -1,5 +1,6 @@
 """What users see of a job with torch's tools: mcrdl's ops in torch.profiler
 traces, and its flight recorder read by torch's own analyzer (``torchfrtrace``)."""
+import os
 import pickle
 import re
 import subprocess
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import run_job_rc
+from conftest import JOBS, run_job_rc
 
 
 def verdicts(out: str, nprocs: int, expected: int) -> None:
@@ -26,12 +27,15 @@ def test_every_op_is_a_profiler_event_with_its_library_bytes_and_span(tmp_path, 
     assert rc == 0, out[-4000:]
 
 
-def _hang(tmp_path, scenario):
+def _hang(tmp_path, scenario, launcher="mpiexec"):
     """Run flight_recorder_job.py SCENARIO on 2 ranks with torch's recorder
     variables; returns the job's output and torch's analyzer's report."""
-    prefix = tmp_path / "fr_rank_"
-    out, rc = run_job_rc(2, "flight_recorder_job.py", scenario, timeout=120,
-                         env={"TORCH_FR_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": str(prefix)})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_FR_BUFFER_SIZE": "64",
+           "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr_rank_")}
+    job = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--launcher", launcher,
+                          "--timeout", "120", str(JOBS / "flight_recorder_job.py"), scenario],
+                         capture_output=True, text=True, env=env, timeout=150)
+    out, rc = job.stdout + job.stderr, job.returncode
     report = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
                              str(tmp_path), "-p", "fr_rank_", "--allow-incomplete-ranks"],
                             capture_output=True, text=True, timeout=120)
@@ -73,7 +77,8 @@ def test_the_recorder_dumps_on_sigusr1_and_on_request_and_a_healthy_job_reads_cl
 
 
 def test_a_dead_peer_makes_the_survivor_dump(tmp_path):
-    out, rc, report = _hang(tmp_path, "killed")
+    """Under torchrun: MPICH's mpiexec would end the survivor at once."""
+    out, rc, report = _hang(tmp_path, "killed", "torchrun")
     assert rc != 0
     assert "rank 0: flight recorder dumped to" in out and "(rank 1 died (its process ended))" in out, out[-3000:]
     assert "missed FR dumps from ranks ({1})" in report, report

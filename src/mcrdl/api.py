@@ -546,8 +546,12 @@ def _block(rt: Runtime, g: Group, op: str, name: str, start: Callable, args: tup
         if pending is not DONE:  # not finished inside the backend
             rt.engine.block(op, name, pending, g, reads, writes)
         return
-    post = (observer.begin(op, name, g, nbytes, False, peer, counts, reads, writes),)
-    rt.engine.block(op, name, start(*args), g, reads, writes, post)
+    end = observer.begin(op, name, g, nbytes, False, peer, counts, reads, writes)
+    pending = start(*args)
+    if pending is DONE:  # (finished inside the backend: the observer's end alone)
+        end()
+    else:
+        rt.engine.block(op, name, pending, g, reads, writes, (end,))
 
 
 # -- collectives --------------------------------------------------------------------------

@@ -12,7 +12,7 @@ It answers to torch's settings, so a user of torch's recorder needs nothing new:
   dump's path prefix, the rank appended (default
   ``~/.cache/torch/comm_lib_trace_rank_``, as torch's).
 * ``TORCH_INCLUDE_STACK_TRACE`` (default 1): each op's Python stack, from the
-  caller of mcrdl (or torch.distributed) up, at most 16 frames.
+  caller of mcrdl (or of torch.distributed) up, at most 4 frames.
 * ``TORCH_INCLUDE_ONLY_ACTIVE`` (default 0): dump only ops not completed.
 
 Every rank dumps when an op of its times out or its library fails (and asks
@@ -33,6 +33,7 @@ write it, followed by ``mcrdl=<library>`` (``gloo:all_reduce mcrdl=mpi``).
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import pickle
 import signal
@@ -44,8 +45,11 @@ from typing import Callable, Optional
 import torch
 
 VERSION = "2.10"  # the dump format torch 2.13 writes and its analyzer reads
-MAX_FRAMES = 16
-_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the mcrdl package
+MAX_FRAMES = 4  # frames kept per op (a frame costs ~0.3 µs to take)
+#: frames not kept: mcrdl's own and torch.distributed's
+_SKIPPED = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            os.path.dirname(os.path.abspath(torch.distributed.__file__)))
+_shape, _dtype = operator.attrgetter("shape"), operator.attrgetter("dtype")
 #: mcrdl's op names as torch's recorder names them (its analyzer knows only those)
 TORCH_NAMES = {"all_gather_into_tensor": "_all_gather_base", "reduce_scatter_tensor": "_reduce_scatter_base",
                "monitored_barrier": "barrier", "isend": "send", "irecv": "recv"}
@@ -77,22 +81,23 @@ def dump_prefix() -> str:
                             "torch", "comm_lib_trace_rank_"))
 
 
-def _frames() -> list[dict]:
-    """The caller's stack, innermost first, without mcrdl's own frames."""
+def _frames() -> tuple:
+    """The caller's innermost :data:`MAX_FRAMES` frames as (code, line), past
+    mcrdl's and torch.distributed's own (so a DeepSpeed or user line comes first)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
         frame = frame.f_back
     out = []
     while frame is not None and len(out) < MAX_FRAMES:
-        code = frame.f_code
-        out.append({"name": code.co_name, "filename": code.co_filename, "line": frame.f_lineno})
+        out.append((frame.f_code, frame.f_lineno))
         frame = frame.f_back
-    return out
+    return tuple(out)
 
 
 class FlightRecorder:
     """A ring of the last ``size`` ops of this process, an observer of the API
-    (:mod:`mcrdl.features.profiler`)."""
+    (:mod:`mcrdl.features.profiler`). An op costs a tuple at its start and a
+    time at its completion; torch's dictionaries are built at a dump."""
 
     def __init__(self, rank: int, size: int, prefix: str):
         self.rank = rank
@@ -101,66 +106,70 @@ class FlightRecorder:
         self.stacks = os.environ.get("TORCH_INCLUDE_STACK_TRACE", "1") not in ("0", "false", "False")
         self.only_active = os.environ.get("TORCH_INCLUDE_ONLY_ACTIVE", "0") in ("1", "true", "True")
         self._next_id = 0
-        self._groups: dict = {}  # group -> [pg_id, collectives, p2p ops, last started, last completed]
-        self._lock = threading.Lock()  # dumps come from other threads (watchdog, signal)
+        self._groups: dict = {}  # group -> [pg_id, collectives, p2p ops]
         self._handler = None  # ours on SIGUSR1, if installed
 
     def begin(self, op: str, backend: str, group, nbytes: int, async_op: bool, peer: int = -1,
               counts=None, reads=(), writes=()) -> Callable[[], None]:
         state = self._groups.get(group)
         if state is None:
-            state = self._groups[group] = [len(self._groups), 0, 0, 0, 0]
+            state = self._groups[group] = [len(self._groups), 0, 0]
         name = TORCH_NAMES.get(op, op)
-        p2p = name in ("send", "recv")
-        if p2p:
+        if name == "send" or name == "recv":
             state[2] += 1
-            meta = f"{group.rank}->{peer}" if name == "send" else f"{group.rank}<-{peer}"
         else:
             state[1] += 1
-            meta = f"mcrdl={backend}"
+            peer = None
         ins, outs = reads or writes, writes or reads
-        ref = ins[0] if ins else None
-        now = time.time_ns()
-        entry = {
-            "record_id": self._next_id, "pg_id": state[0], "process_group": (group.name, _desc(group)),
-            "collective_seq_id": state[1], "p2p_seq_id": state[2], "op_id": self._next_id,
-            "profiling_name": f"{'gloo' if ref is None or ref.is_cpu else 'nccl'}:{name} {meta}",
-            "time_created_ns": now, "input_sizes": [list(t.shape) for t in ins],
-            "input_dtypes": [_C10_DTYPES.get(t.dtype, str(t.dtype)) for t in ins],
-            "output_sizes": [list(t.shape) for t in outs],
-            "output_dtypes": [_C10_DTYPES.get(t.dtype, str(t.dtype)) for t in outs],
-            "state": "started", "time_discovered_started_ns": now, "time_discovered_completed_ns": None,
-            "retired": False, "timeout_ms": int(group.timeout * 1000), "is_p2p": p2p,
-            "library": backend, "nbytes": nbytes,
-            "frames": _frames() if self.stacks else [],
-        }
+        in_shapes, in_dtypes = tuple(map(_shape, ins)), tuple(map(_dtype, ins))
+        if outs is ins or (len(outs) == 1 == len(ins) and outs[0] is ins[0]):  # in place (all_reduce)
+            out_shapes, out_dtypes = in_shapes, in_dtypes
+        else:
+            out_shapes, out_dtypes = tuple(map(_shape, outs)), tuple(map(_dtype, outs))
+        done = [None]  # the completion time, once seen
+        self.entries.append((self._next_id, group, state[1], state[2], name, peer, backend, nbytes,
+                             time.time_ns(), in_shapes, in_dtypes, out_shapes, out_dtypes,
+                             not ins or ins[0].is_cpu, done, _frames() if self.stacks else ()))
         self._next_id += 1
-        self.entries.append(entry)
-        if not p2p:
-            state[3] = state[1]
-
-        def end() -> None:
-            entry["state"] = "completed"
-            entry["time_discovered_completed_ns"] = time.time_ns()
-            entry["retired"] = True
-            if not p2p and entry["collective_seq_id"] > state[4]:
-                state[4] = entry["collective_seq_id"]
-        return end
+        return lambda: done.__setitem__(0, time.time_ns())
 
     def snapshot(self) -> dict:
-        """What a dump holds (torch's format)."""
-        with self._lock:
-            entries = [dict(e) for e in list(self.entries)]
-            groups = dict(self._groups)
-        if self.only_active:
-            entries = [e for e in entries if e["state"] != "completed"]
+        """What a dump holds: torch's format (see the module's docstring)."""
+        ops = list(self.entries)  # (atomic: the deque may grow meanwhile, on the caller's thread)
+        groups = dict(self._groups)
+        completed: dict = {}
+        entries = []
+        for (rid, g, seq, p2p_seq, name, peer, backend, nbytes, created, in_shapes, in_dtypes,
+             out_shapes, out_dtypes, cpu, done, frames) in ops:
+            ended = done[0]
+            if ended is not None and peer is None:
+                completed[g] = max(completed.get(g, 0), seq)
+            if self.only_active and ended is not None:
+                continue
+            meta = f"mcrdl={backend}" if peer is None else (
+                f"{g.rank}->{peer}" if name == "send" else f"{g.rank}<-{peer}")
+            entries.append({
+                "record_id": rid, "pg_id": groups[g][0], "process_group": (g.name, _desc(g)),
+                "collective_seq_id": seq, "p2p_seq_id": p2p_seq, "op_id": rid,
+                "profiling_name": f"{'gloo' if cpu else 'nccl'}:{name} {meta}",
+                "time_created_ns": created,
+                "input_sizes": [list(s) for s in in_shapes], "input_dtypes": [_c10(d) for d in in_dtypes],
+                "output_sizes": [list(s) for s in out_shapes], "output_dtypes": [_c10(d) for d in out_dtypes],
+                "state": "started" if ended is None else "completed",
+                "time_discovered_started_ns": created, "time_discovered_completed_ns": ended,
+                "retired": ended is not None, "timeout_ms": int(g.timeout * 1000), "is_p2p": peer is not None,
+                "library": backend, "nbytes": nbytes,
+                "frames": [{"name": code.co_name, "filename": code.co_filename, "line": line}
+                           for code, line in frames],
+            })
         return {
             "version": VERSION,
             "comm_lib_version": "mcrdl",
             "pg_config": {g.name: {"name": g.name, "desc": _desc(g), "ranks": str(list(g.ranks))}
                           for g in groups},
-            "pg_status": {str(s[0]): {"last_enqueued_collective": s[1], "last_started_collective": s[3],
-                                      "last_completed_collective": s[4]} for s in groups.values()},
+            "pg_status": {str(s[0]): {"last_enqueued_collective": s[1], "last_started_collective": s[1],
+                                      "last_completed_collective": completed.get(g, 0)}
+                          for g, s in groups.items()},
             "entries": entries,
         }
 
@@ -172,7 +181,8 @@ class FlightRecorder:
         if folder:
             os.makedirs(folder, exist_ok=True)
         data = pickle.dumps(self.snapshot())
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        # (named apart from the dumps: torch's analyzer reads every file holding the prefix)
+        tmp = os.path.join(folder or ".", f".mcrdl-dump-{os.getpid()}-{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -192,6 +202,10 @@ class FlightRecorder:
         if (handler is not None and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGUSR1) is handler):
             signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def _c10(dtype: torch.dtype) -> str:
+    return _C10_DTYPES.get(dtype, str(dtype))
 
 
 def _desc(group) -> str:
