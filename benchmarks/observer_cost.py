@@ -1,18 +1,19 @@
 """What watching a job costs: mcrdl's communication logger and flight recorder
 per call and per training step, beside DeepSpeed's communication logger.
 
-    DS_ACCELERATOR=cpu mcrdl run -n 2 benchmarks/observer_cost.py --record docs/results/observer_cost
+    mcrdl run -n 2 benchmarks/observer_cost.py --blocks 20 --record docs/results/observer_cost
 
-Per step (first, while the logger holds few records): DeepSpeed MoE (examples/frameworks/deepspeed_moe.py's model, top-2)
-on the "mcrdl" backend, blocks of steps in turn with nothing observing,
-mcrdl's logger, mcrdl's flight recorder and DeepSpeed's comms logger
-(``prof_all``: it times each of DeepSpeed's communication calls, after a
-device synchronize that is free on CPU; on GPUs it waits for the device on
-every op), all in one job, so the machine's drift hits every mode alike. The
-observers are switched by swapping the runtime's observer; no profiler
-records. Per call: a 4-byte all_reduce on MPI with nothing observing, the
-logger, the flight recorder, and both (interleaved rounds, medians of the
-slowest rank). ``--record PREFIX`` writes PREFIX.json and PREFIX.md.
+Per step, first (while the logger holds few records): DeepSpeed MoE
+(examples/frameworks/deepspeed_moe.py's model, top-2) on the "mcrdl" backend,
+blocks of steps in turn with nothing observing, mcrdl's logger, mcrdl's flight
+recorder and DeepSpeed's comms logger (``prof_all``: it times each of
+DeepSpeed's communication calls, after a device synchronize that is free on
+CPU; on GPUs it waits for the device on every op), all in one job, so the
+machine's drift hits every mode alike. The observers are switched by swapping
+the runtime's observer; no profiler records. Then per call: a 4-byte
+all_reduce on MPI with nothing observing, the logger, the flight recorder,
+and both (interleaved rounds, medians of the slowest rank).
+``--record PREFIX`` writes PREFIX.json and PREFIX.md.
 """
 import argparse
 import os
@@ -121,7 +122,7 @@ if rank == 0:
     env = environment(deepspeed=deepspeed.__version__)
     base_call = statistics.median(per_call["nothing"])
     base_step = statistics.median(per_step["nothing"])
-    doc = {"command": "DS_ACCELERATOR=cpu mcrdl run -n 2 benchmarks/observer_cost.py " + " ".join(sys.argv[1:]),
+    doc = {"command": "mcrdl run -n 2 benchmarks/observer_cost.py " + " ".join(sys.argv[1:]),
            "environment": env, "world": world, "calls": args.calls, "call_rounds": args.call_rounds,
            "steps": args.steps, "blocks": args.blocks,
            "per_call_us": {m: {"median": statistics.median(v), "rounds": v} for m, v in per_call.items()},
@@ -142,7 +143,7 @@ if rank == 0:
         from rich.console import Console
         write_json(args.record + ".json", doc, Console())
         with open(args.record + ".md", "w") as f:
-            f.write(f"# What watching a job costs\n\n{__doc__.split(chr(10), 1)[1].strip()}\n\n"
+            f.write(f"# What watching a job costs\n\n{__doc__.strip()}\n\n"
                     f"Ran {env['date']} on {env['hostname']} ({env['cpus']} CPUs, load average at the end "
                     f"{', '.join(f'{x:.2f}' for x in env['loadavg_at_end'])}), torch {env['versions']['torch']}, "
                     f"DeepSpeed {deepspeed.__version__}.\n\n```\n{doc['command']}\n```\n\n```\n{text}\n```\n")

@@ -12,7 +12,7 @@ run $BIN/mcrdl run -n 2 benchmarks/allreduce_latency.py --json $OUT/allreduce_la
 run $BIN/mcrdl run -n 2 benchmarks/hotpath.py --json $OUT/hotpath.json | tee $OUT/hotpath.txt
 run $BIN/mcrdl run -n 2 benchmarks/layers.py --rounds 9 --json $OUT/layers.json | tee $OUT/layers.txt
 run $BIN/mcrdl run -n 2 benchmarks/selection_overhead.py --json $OUT/selection_overhead.json | tee $OUT/selection_overhead.txt
-run $BIN/mcrdl run -n 2 benchmarks/logger_overhead.py --json $OUT/logger_overhead.json | tee $OUT/logger_overhead.txt
+run $BIN/mcrdl run -n 2 benchmarks/observer_cost.py --blocks 20 --record $OUT/observer_cost
 run $BIN/mcrdl run -n 2 benchmarks/cold_calls.py --rounds 7 --calls 30 --json $OUT/cold_calls.json | tee $OUT/cold_calls.txt
 run $BIN/mcrdl tune -n 2 --out $OUT/tuning-2ranks.json --results $OUT/tune-sweep-2ranks.json \
     --plot $OUT/tune-plots | tee $OUT/tune-2ranks.txt

@@ -622,21 +622,26 @@ class Runtime:
 
     def _on_failure(self, work) -> str:
         """A work timed out or its library failed; returns what the health
-        check says of its peers.
+        check says of its peers, and where the flight recorder dumped.
 
         After a failed collective, or a library error (a peer's connection
         broke), a peer may be dead or stuck and MPI_Finalize would then wait
         for it forever: the MPI job is aborted at exit instead. A point-to-point
         op that timed out was withdrawn and leaves nothing behind."""
         timed_out = isinstance(work._error, CommTimeoutError)
+        dumped = None
         if self.recorder is not None:
-            self.dump_flight_recorder(f"{work.op} on backend '{work.backend}' "
-                                      f"{'timed out' if timed_out else 'failed'}", ask_peers=True)
+            path = self.dump_flight_recorder(f"{work.op} on backend '{work.backend}' "
+                                             f"{'timed out' if timed_out else 'failed'}", ask_peers=True)
+            dumped = f"every rank's flight recorder dumped ({path}; read them with torchfrtrace)"
         if (self.mpi_comm is not None and not self._abort_at_exit
                 and (work.op not in POINT_TO_POINT or not timed_out)):
             self._abort_at_exit = True
             atexit.register(_abort_mpi_job, self.mpi_comm)  # runs before mpi4py's MPI_Finalize
-        group = work.group
+        return "; ".join(filter(None, (self._peers_verdict(work.group, timed_out), dumped)))
+
+    def _peers_verdict(self, group, timed_out: bool) -> str:
+        """What the watchdog, else the heartbeats, say of ``group``'s members."""
         dead = self.engine.deaths(group)
         if dead:  # the watchdog already knows: no need to look at heartbeats
             return "; ".join(dead)
