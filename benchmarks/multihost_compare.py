@@ -1,11 +1,11 @@
-"""Side by side: the tune sweeps recorded by multihost-record.sh (1 host, 2
+"""Side by side: the tune sweeps recorded by multihost_record.sh (1 host, 2
 namespace hosts, 2 namespace hosts at 1 Gbit/s): each backend's time per op and
 size, the backend each setting's tuning table picks, and how many (op, size)
-cells change backend between settings."""
+cells change backend between settings. Reads docs/results/multihost-*.json."""
 import json
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+RES = Path(__file__).resolve().parent.parent / "docs" / "results"  # the recorded sweeps
 SETTINGS = ("1host", "2hosts", "2hosts-1gbit")
 
 
@@ -25,11 +25,11 @@ def pick(table, op, nbytes):
 
 times, tables, hosts = {}, {}, {}
 for s in SETTINGS:
-    doc = json.loads((HERE / f"multihost-tune-{s}.json").read_text())
+    doc = json.loads((RES / f"multihost-tune-{s}.json").read_text())
     hosts[s] = doc["metadata"]["hosts"]
     for r in doc["results"]:
         times.setdefault(r["op"], {}).setdefault(r["bytes"], {})[(s, r["variant"])] = r["max_us"]
-    tables[s] = json.loads((HERE / f"multihost-tuning-{s}.json").read_text())
+    tables[s] = json.loads((RES / f"multihost-tuning-{s}.json").read_text())
 
 print("ranks' hostnames per setting: " + "; ".join(f"{s}: {', '.join(h)}" for s, h in hosts.items()))
 print("time in us (slowest rank, median of 9 rounds); pick = the setting's tuning table's backend\n")
