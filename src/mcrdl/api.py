@@ -19,10 +19,10 @@ from torch.autograd import profiler as _torch_profiler
 from . import facts
 from .backends import REGISTRY
 from .backends.base import ANY_SOURCE
-from .runtime import DEFAULT_TIMEOUT, Group, Runtime
+from .runtime import Group, Runtime
 from .tuning import TuningTable
 from .types import CommError, P2POp, ReduceOp, UnsupportedError
-from .work import DONE, AfterAll, Done, Work, _overlap, _seconds, current_stream
+from .work import DEFAULT_TIMEOUT, DONE, AfterAll, Done, Work, _overlap, _seconds, current_stream
 
 _runtime: Optional[Runtime] = None
 
@@ -38,7 +38,7 @@ _key, _pair, _span_at = facts.key, facts.pair, facts.span
 
 # -- lifecycle -------------------------------------------------------------------------
 def init_process_group(backends: Union[None, str, Sequence[str]] = None, default_backend: Optional[str] = None,
-                       timeout: Union[timedelta, float] = DEFAULT_TIMEOUT,
+                       timeout: Union[timedelta, float] = timedelta(seconds=DEFAULT_TIMEOUT),
                        op_backends: Optional[Mapping[str, str]] = None,
                        tuning_table: Union[None, str, dict, TuningTable] = None,
                        debug: Optional[bool] = None, comms_log: Optional[bool] = None,

@@ -50,7 +50,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import api
-from .tuning import DEVICES, OP_CLASS, SELECT_OPS, is_int, is_number, key_path, read_json, shown
+from .tuning import (DEVICES, OP_CLASS, SELECT_OPS, busbw_factor, is_int, is_number, key_path, read_json,
+                     shown)
 
 FORMAT = "mcrdl-bench/1"
 #: Ops the bench knows: the selection classes but barrier, and all_to_all with split sizes.
@@ -62,15 +63,6 @@ SMALL = 8192  # bytes: below this, more iterations (as OSU)
 MODES = ("back-to-back", "cold")
 #: The compute before each call in cold mode (on one torch thread per rank).
 COLD_STEP = "1 matmul 256x512 @ 512x512 fp32 (1.5 MiB of operands)"
-
-
-def busbw_factor(op: str, n: int) -> float:
-    """nccl-tests bus bandwidth factor for an op on ``n`` ranks."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in _BLOCKED:
-        return (n - 1) / n
-    return 1.0
 
 
 def default_sizes(max_bytes: int = 32 << 20, min_bytes: int = 4) -> list[int]:

@@ -27,7 +27,6 @@ from .types import CommTimeoutError, ReduceOp
 from .watchdog import Watchdog, frozen_after, watchdog_enabled
 from .work import DEATH_GRACE_S, Engine, _seconds, set_wait_policy, wait_policy_from_env
 
-DEFAULT_TIMEOUT = timedelta(minutes=30)
 FR_WAIT_S = 5.0  # seconds a rank that asked for every flight recorder dump waits for them
 
 

@@ -56,6 +56,17 @@ OP_CLASS.update(all_gather_into_tensor="all_gather", reduce_scatter_tensor="redu
                 # the bench's and model's name for all_to_all_single with split sizes (MPI Alltoallv)
                 all_to_allv="all_to_all")
 
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor (docs/bench.md) of ``op`` (an API op,
+    a bench op or an op class) on ``n`` ranks: busbw = algbw x factor."""
+    op_class = OP_CLASS.get(op, op)
+    if op_class == "all_reduce":
+        return 2 * (n - 1) / n
+    if op_class in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    return 1.0
+
 _RULE_KEYS = {"max_bytes", "backend", "margin", "note"}
 
 

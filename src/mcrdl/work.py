@@ -176,7 +176,8 @@ def run_post(post: Sequence[Callable[[], None]]) -> None:
             torch._C._set_grad_enabled(enabled)
 
 
-#: Seconds a work not tied to a group may take (torch.distributed's default).
+#: Seconds a work not tied to a group may take, and init_process_group's default timeout
+#: (torch.distributed's default).
 DEFAULT_TIMEOUT = 1800.0
 
 #: Buffers of requests still pending at shutdown: kept alive past MPI_Finalize,

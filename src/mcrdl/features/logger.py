@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
-from ..tuning import OP_CLASS
+from ..tuning import OP_CLASS, busbw_factor
 
 #: Size classes of the histogram and the summary (upper bounds, bytes).
 SIZE_BINS = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
@@ -37,17 +37,6 @@ def size_bin(nbytes: int) -> str:
         if nbytes <= bound:
             return name
     return BIN_NAMES[-1]
-
-
-def busbw_factor(op_class: str, n: int) -> float:
-    """nccl-tests bus-bandwidth factor (see docs/bench.md)."""
-    if n <= 1:
-        return 1.0
-    if op_class == "all_reduce":
-        return 2 * (n - 1) / n
-    if op_class in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
-        return (n - 1) / n
-    return 1.0
 
 
 @dataclass
@@ -145,7 +134,7 @@ class CommsLogger:
                          "total_s": total, "mean_s": total / len(recs),
                          "trimmed_mean_s": sum(trimmed) / len(trimmed),
                          "mean_bytes": nbytes / len(recs), "algbw_gbps": algbw,
-                         "busbw_gbps": algbw * busbw_factor(OP_CLASS.get(op, op), n)})
+                         "busbw_gbps": algbw * busbw_factor(op, n)})
         return rows
 
     def histogram(self) -> dict[str, dict[str, dict[str, float]]]:
