@@ -346,8 +346,9 @@ class Runtime:
         self.logger = None
         #: the flight recorder (mcrdl.features.flight_recorder), on when TORCH_FR_BUFFER_SIZE > 0
         self.recorder = None
-        if buffer_size():
-            self.recorder = FlightRecorder(self.rank, buffer_size(), dump_prefix())
+        kept = buffer_size()
+        if kept:
+            self.recorder = FlightRecorder(self.rank, kept, dump_prefix())
             self.recorder.on_signal()
             if self.watchdog is not None:
                 self.watchdog.on_dump = lambda asker: self.dump_flight_recorder(

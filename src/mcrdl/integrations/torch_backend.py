@@ -585,7 +585,7 @@ def _run_outside_dynamo(*classes) -> None:
     trace them and fail on the opaque ProcessGroup. Marked, they and every
     frame they call run as plain Python, at no cost per call (the mark torch's
     own ``skip_code`` sets, recursive); a torch without it gets
-    ``torch.compiler.disable`` (about 0.6 µs a call)."""
+    ``torch.compiler.disable`` (a wrapper on every call)."""
     try:
         from torch._C._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
