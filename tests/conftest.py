@@ -17,10 +17,10 @@ def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0):
     return out
 
 
-def run_job_rc(nprocs, script, *args, timeout=300, env=None):
-    """:func:`run_job`'s output and the job's exit status."""
-    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--timeout", str(timeout),
-           str(JOBS / script), *map(str, args)]
+def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec"):
+    """:func:`run_job`'s output and the job's exit status (``launcher``: mcrdl run's)."""
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--launcher", launcher,
+           "--timeout", str(timeout), str(JOBS / script), *map(str, args)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout + 30)
     return proc.stdout + proc.stderr, proc.returncode

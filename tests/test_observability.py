@@ -1,6 +1,5 @@
 """What users see of a job with torch's tools: mcrdl's ops in torch.profiler
 traces, and its flight recorder read by torch's own analyzer (``torchfrtrace``)."""
-import os
 import pickle
 import re
 import subprocess
@@ -8,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import JOBS
+from conftest import run_job_rc
 
 
 def verdicts(out: str, nprocs: int, expected: int) -> None:
@@ -22,18 +21,10 @@ def verdicts(out: str, nprocs: int, expected: int) -> None:
     assert per_rank == {r: expected for r in range(nprocs)}, out[-4000:]
 
 
-def _launch(launcher, *job, **env):
-    """``mcrdl run -n 2 --launcher LAUNCHER tests/jobs/JOB ARGS`` with ``env``; (output, exit status)."""
-    done = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--launcher", launcher,
-                           "--timeout", "120", str(JOBS / job[0]), *map(str, job[1:])],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                          timeout=150)
-    return done.stdout + done.stderr, done.returncode
-
-
 @pytest.mark.parametrize("launcher, logged", [("mpiexec", False), ("mpiexec", True), ("torchrun", False)])
 def test_every_op_is_a_profiler_event_with_its_library_bytes_and_span(tmp_path, launcher, logged):
-    out, rc = _launch(launcher, "profiler_job.py", tmp_path, *(["logged"] if logged else []))
+    out, rc = run_job_rc(2, "profiler_job.py", tmp_path, *(["logged"] if logged else []), timeout=120,
+                         launcher=launcher)
     verdicts(out, 2, 5 if logged else 4)
     assert rc == 0, out[-4000:]
 
@@ -41,8 +32,8 @@ def test_every_op_is_a_profiler_event_with_its_library_bytes_and_span(tmp_path, 
 def _hang(tmp_path, scenario, launcher="mpiexec"):
     """Run flight_recorder_job.py SCENARIO on 2 ranks with torch's recorder
     variables; returns the job's output and torch's analyzer's report."""
-    out, rc = _launch(launcher, "flight_recorder_job.py", scenario, TORCH_FR_BUFFER_SIZE="64",
-                      TORCH_FR_DUMP_TEMP_FILE=str(tmp_path / "fr_rank_"))
+    out, rc = run_job_rc(2, "flight_recorder_job.py", scenario, timeout=120, launcher=launcher,
+                         env={"TORCH_FR_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr_rank_")})
     report = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
                              str(tmp_path), "-p", "fr_rank_", "--allow-incomplete-ranks"],
                             capture_output=True, text=True, timeout=120)
