@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import sys
 import time
 from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Sequence, Union
@@ -72,6 +73,8 @@ def init_process_group(backends: Union[None, str, Sequence[str]] = None, default
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
                        comms_log, store, rank, world_size, autotune)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
+    if sys.excepthook is not _note_uncaught:
+        _note_uncaught.previous, sys.excepthook = sys.excepthook, _note_uncaught
     try:
         _check_same_selection(_runtime)
     except Exception:
@@ -98,6 +101,14 @@ def _check_same_selection(rt: Runtime) -> None:
                            f"rank 0 (live backends, default backend, op_backends / "
                            f"MCRDL_OP_BACKENDS, tuning table, debug or autotune differ); rank "
                            f"{rt.rank} has {mine[:300]}")
+
+
+def _note_uncaught(kind, value, traceback) -> None:
+    """An uncaught exception ends this rank: its peers, which may wait for it in an op,
+    must hear of a death, not of a rank leaving (Runtime.shutdown)."""
+    if _runtime is not None:
+        _runtime.dying = f"an uncaught {kind.__name__}: {value}"[:300]
+    _note_uncaught.previous(kind, value, traceback)
 
 
 def destroy_process_group() -> None:

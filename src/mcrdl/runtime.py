@@ -168,9 +168,9 @@ def _listen(host: str, port: int = 0) -> socket.socket:
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
 
 
-def _abort_mpi_job(comm) -> None:
-    print("mcrdl: a communication operation failed, so MPI_Finalize could wait forever for a "
-          "missing peer: aborting the MPI job instead", file=sys.stderr, flush=True)
+def _abort_mpi_job(comm, why: str = "a communication operation failed") -> None:
+    print(f"mcrdl: {why}, so MPI_Finalize could wait forever for a missing peer: aborting "
+          "the MPI job instead", file=sys.stderr, flush=True)
     comm.Abort(1)
 
 
@@ -293,6 +293,8 @@ class Runtime:
         if self.store is not None and beat > 0 and self.world_size > 1:
             self.health = Health(self.store, self.rank, beat, self.store_host)
         self._abort_at_exit = False
+        #: why this rank is ending on an uncaught exception (api's excepthook), else None
+        self.dying: Optional[str] = None
         self.watchdog = None
         # the watchdog's key travels over MPI when it is live, never through the store,
         # which anyone who reaches it can read (torch's TCPStore has no authentication);
@@ -657,8 +659,10 @@ class Runtime:
         """Release every group handle, backend and the store now (a torch process
         group still alive when the interpreter exits can abort the process)."""
         if self.watchdog is not None:  # first: peers must not take what follows for a death
-            self.watchdog.stop()
+            self.watchdog.stop(leaving=self.dying is None)
             self.watchdog = None
+        if self.dying is not None and self.mpi_comm is not None:  # peers may wait in an op with us
+            _abort_mpi_job(self.mpi_comm, f"rank {self.rank} ends on {self.dying}")
         if self.recorder is not None:
             self.recorder.close()
         if self.health is not None:

@@ -5,7 +5,8 @@ rendezvous store). However a process dies (killed, crashed, ``os._exit``), the
 kernel closes its sockets: rank 0 sees a dead rank's connection end at once and
 tells every other rank, and every rank sees rank 0's death as the end of its own
 connection. A rank that ends on purpose (``destroy_process_group``, or the exit
-handler) says ``bye`` first, so leaving is not taken for dying.
+handler) says ``bye`` first, so leaving is not taken for dying; one that ends on an
+uncaught exception does not, so its peers stop waiting for it.
 
 Only the job's ranks are heard. Rank 0 greets each connection with a fresh
 nonce; a rank answers with its rank, a nonce of its own and an HMAC of both
@@ -338,18 +339,21 @@ class Watchdog:
             self._died(0)
 
     # -- leaving ------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Leave on purpose: peers are told, not alarmed."""
+    def stop(self, leaving: bool = True) -> None:
+        """Leave on purpose: peers are told, not alarmed (``leaving=False``: a rank
+        ending on an error goes without ``bye``, so its peers hear of a death)."""
         self._stop.set()
         if self.rank == 0:
             self._wake_w.send(b"x")
             self._thread.join(timeout=2)
-            self._tell_all(b"bye\n")
+            if leaving:
+                self._tell_all(b"bye\n")
             for sock in [*self._peers, self._listener, self._wake_r, self._wake_w]:
                 sock.close()
             return
         try:
-            self._sock.sendall(b"bye\n")
+            if leaving:
+                self._sock.sendall(b"bye\n")
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
