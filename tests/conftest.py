@@ -1,19 +1,58 @@
 """Helpers: launch real multi-rank jobs through `mcrdl run` (MPICH's mpiexec)."""
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 JOBS = Path(__file__).parent / "jobs"
 
+#: the marker of each test module that is not a ``job`` module (``pytest -m unit`` etc.);
+#: a job module may hold in-process tests too, a unit module launches nothing
+KINDS = {"test_fuzz": "unit", "test_order_checks": "unit", "test_selector": "unit",
+         "test_tune_unit": "unit", "test_tuning": "unit", "test_frameworks": "frameworks",
+         "test_torch_suite": "frameworks", "test_compile": "frameworks", "test_cuda": "gpu"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(KINDS.get(item.module.__name__, "job"))
+
+
+class JobOutput(str):
+    """A job's combined output, with what its ranks filed through tests/jobs/verdicts.py:
+    ``verdicts``, one dict per check (name, rank, ok; expected, got, where if it failed)."""
+    verdicts: list
+
+    def failures(self, judged=lambda name: True):
+        """One line per failed check among ``judged`` names: name, rank, expected, got,
+        where the job checked it (an ``uncaught`` check: the exception that ended a rank)."""
+        return [f"check {v['name']!r} failed on rank {v['rank']} at {v['where']}: "
+                f"expected {v['expected']}, got {v['got']}" for v in self.verdicts
+                if not v["ok"] and judged(v["name"])]
+
+    def require(self, names, ranks, judged=lambda name: True):
+        """Fail the test unless each of ``names`` was checked on every rank of ``ranks``
+        and no ``judged`` check failed; the message names each check and rank."""
+        checked = {(v["name"], v["rank"]) for v in self.verdicts}
+        bad = self.failures(judged) + [f"check {name!r} missing on rank {r}" for name in names for r in ranks
+                                       if (name, r) not in checked]
+        if bad:
+            pytest.fail("\n".join(bad) + "\n--- job output (tail) ---\n" + self[-4000:], pytrace=False)
+
 
 def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0):
-    """Run tests/jobs/<script> on ``nprocs`` ranks; return combined output."""
+    """Run tests/jobs/<script> on ``nprocs`` ranks; return its :class:`JobOutput`.
+    A failed check, or an exit status other than ``expect_rc``, fails the test
+    naming the checks and ranks that failed."""
     out, rc = run_job_rc(nprocs, script, *args, timeout=timeout, env=env)
-    if expect_rc is not None and rc != expect_rc:
-        pytest.fail(f"{script} on {nprocs} ranks exited {rc}:\n{out[-6000:]}")
+    failed = out.failures(lambda name: expect_rc == 0 or name != "uncaught")
+    if expect_rc is not None and (rc != expect_rc or failed):
+        pytest.fail(f"{script} on {nprocs} ranks exited {rc}" + "".join(f"\n{f}" for f in failed)
+                    + f"\n--- job output (tail) ---\n{out[-6000:]}", pytrace=False)
     return out
 
 
@@ -21,9 +60,18 @@ def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec")
     """:func:`run_job`'s output and the job's exit status (``launcher``: mcrdl run's)."""
     cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--launcher", launcher,
            "--timeout", str(timeout), str(JOBS / script), *map(str, args)]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout + 30)
-    return proc.stdout + proc.stderr, proc.returncode
+    with tempfile.TemporaryDirectory(prefix="verdicts_") as verdicts:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), "TEST_VERDICTS": verdicts}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout + 30)
+        out = JobOutput(proc.stdout + proc.stderr)
+        out.verdicts = read_verdicts(verdicts)
+    return out, proc.returncode
+
+
+def read_verdicts(directory):
+    """Every verdict filed under ``directory`` (tests/jobs/verdicts.py), rank by rank."""
+    return [json.loads(line) for path in sorted(Path(directory).glob("rank*.jsonl"))
+            for line in path.read_text().splitlines() if line]
 
 
 def compiled_status(module, cache, **env):

@@ -16,6 +16,18 @@ def test_all_ops_all_backends(nprocs):
     assert out.count("MPI hot path compiled") == nprocs, out[-3000:]
 
 
+def test_a_broken_op_fails_naming_its_check_and_rank():
+    """The harness itself: rank 1's all_reduce made wrong, the test's failure names the
+    check (backend, group, dtype, size), the rank and the job's line."""
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_job(2, "ops_job.py", "mpi", timeout=120, env={"OPS_JOB_BREAK": "all_reduce@1"})
+    first = str(failure.value).splitlines()[:2]
+    assert first[0] == "ops_job.py on 2 ranks exited 1", first
+    assert first[1].startswith("check '[mpi group=[0, 1] torch.float16 numel=1 async=False]' failed on rank 1 "
+                               "at ops_job.py:"), first
+    assert "expected true, got all_reduce sum tensor([" in first[1], first
+
+
 def test_all_ops_on_the_pure_python_hot_path():
     """The fallback when no MPI compiler is present gives the same results."""
     out = run_job(2, "ops_job.py", "mpi", timeout=600, env={"MCRDL_NATIVE": "0"})

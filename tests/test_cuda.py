@@ -1,7 +1,6 @@
 """CUDA paths: NCCL ops and program order against the CPU backends, with one
 rank per GPU (NCCL refuses two ranks on one GPU); skipped without CUDA."""
 import json
-import re
 import subprocess
 import sys
 
@@ -85,9 +84,5 @@ def test_demo_on_cuda_tensors(tmp_path):
 def test_cuda_ops_in_the_profiler_and_the_flight_recorder(tmp_path, nprocs):
     out = run_job(nprocs, "cuda_observe_job.py", tmp_path, timeout=300,
                   env={"TORCH_FR_BUFFER_SIZE": "100", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "fr_rank_")})
-    checks = re.findall(r"CHECK (.+?) rank=(\d+) (ok|FAIL.*?)(?=CHECK |\n|$)", out)  # (lines may be joined)
-    assert checks and all(v == "ok" for _, _, v in checks), "\n".join(" ".join(c) for c in checks) + out[-3000:]
-    fixed = {"one event per op and library", "tensor shapes and bytes", "every event finished",
-             "flight recorder entries", "entries completed"}
-    for rank in range(nprocs):
-        assert fixed <= {name for name, r, _ in checks if r == str(rank)}, out[-3000:]
+    out.require(["one event per op and library", "tensor shapes and bytes", "every event finished",
+                 "flight recorder entries", "entries completed"], range(nprocs))

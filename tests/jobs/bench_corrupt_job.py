@@ -15,6 +15,7 @@ Modes:
 import sys
 
 import mcrdl
+import verdicts  # noqa: F401  (an exception that ends a rank is a failed check)
 from mcrdl.backends.torch_pg import GlooBackend
 from mcrdl.work import Pending
 

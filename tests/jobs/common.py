@@ -3,6 +3,8 @@ import time
 
 import torch
 
+import verdicts
+
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPES = FLOATS + (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool)
 
@@ -32,8 +34,12 @@ def reduced(ranks, numel, dtype, op, salt=0):
 
 
 def check(cond, *msg):
+    """Stop the job unless ``cond``: a failed verdict named by ``msg``'s first part
+    (its tag), the rest as what was got."""
     if not cond:
-        raise AssertionError(" ".join(map(str, msg)))
+        name, got = (str(msg[0]), " ".join(map(str, msg[1:]))) if msg else ("check", None)
+        verdicts.record(name, False, "true", got)
+        raise verdicts.CheckFailed(" ".join(map(str, msg)))
 
 
 class Lands:

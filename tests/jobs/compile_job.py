@@ -3,9 +3,9 @@
 Usage: compile_job.py [PARTS]   PARTS: comma list of funcol,dtensor,ddp,c10d_eager,ddp_outer
 (default: all, in that order)
 
-Every check prints one line, ``CHECK <name> rank=<r> ok`` or
-``CHECK <name> rank=<r> FAIL <why>``; every part ``TIME <part> rank=<r> <seconds>s``.
-A part that raises prints ``CHECK <part>_ran rank=<r> FAIL <error>`` and the job goes on.
+Every check is a verdict (tests/jobs/verdicts.py); every part prints
+``TIME <part> rank=<r> <seconds>s``. A part that raises fails the check
+``<part>_ran`` and the job goes on.
 All compiles use the default backend (inductor) on CPU; "equal" means torch.equal
 (bitwise, same shape and dtype), "close" allclose(rtol=1e-5, atol=1e-6).
 
@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import mcrdl
+from verdicts import check, check_equal
 
 # torch 2.13 renamed these (the old names warn); same signatures
 all_gather_single = getattr(fc, "all_gather_single", fc.all_gather_tensor)
@@ -60,32 +61,14 @@ def say(line):
     print(line, flush=True)
 
 
-def check(name, ok, expected=None, got=None):
-    if ok:
-        say(f"CHECK {name} rank={rank} ok")
-    else:
-        say(f"CHECK {name} rank={rank} FAIL expected={expected!r} got={got!r}")
-    return ok
-
-
 def fail(name, exc):
     text = " | ".join(str(exc).strip().splitlines()[:3])
-    say(f"CHECK {name} rank={rank} FAIL {type(exc).__name__}: {text}")
+    check(name, False, "no exception", f"{type(exc).__name__}: {text}")
     traceback.print_exc()
 
 
 def max_diff(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-
-
-def check_equal(name, got, want):
-    """torch.equal on every tensor (bitwise, same shape and dtype)."""
-    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g.shape != w.shape or not torch.equal(g, w)]
-    return check(name, len(got) == len(want) and not bad,
-                 "torch.equal for all", f"differ at {bad}: " + ", ".join(
-                     f"#{i} {tuple(got[i].shape)} vs {tuple(want[i].shape)} max|d|="
-                     f"{max_diff(got[i], want[i]) if got[i].shape == want[i].shape else 'n/a'}"
-                     for i in bad))
 
 
 def mcrdl_ops():

@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mcrdl
+from verdicts import check
 
 out_dir = sys.argv[1]
 mcrdl.init_process_group(timeout=120)
@@ -21,15 +22,6 @@ dev = torch.device("cuda", mcrdl.get_local_rank() % torch.cuda.device_count())
 torch.cuda.set_device(dev)
 libraries = [b for b in ("nccl", "mpi_staged", "gloo", "mpi") if b in mcrdl.live_backends("cuda")]
 print(f"rank {rank}: CUDA libraries here: {libraries}", flush=True)
-failed = 0
-
-
-def check(name, ok, detail=""):
-    global failed
-    failed += not ok
-    print(f"CHECK {name} rank={rank} {'ok' if ok else 'FAIL ' + str(detail)}", flush=True)
-
-
 results = []
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
     for lib in libraries:
@@ -40,23 +32,22 @@ with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_sh
         results.append((lib, t, u))
 torch.cuda.synchronize()
 for lib, t, u in results:
-    check(f"{lib} results", bool((t == world).all() and (u == world).all()), (t[:2], u[:2]))
+    check(f"{lib} results", bool((t == world).all() and (u == world).all()), world, (t[:2], u[:2]))
 path = os.path.join(out_dir, f"cuda_trace_rank{rank}.json")
 prof.export_chrome_trace(path)
 events = [e for e in json.load(open(path))["traceEvents"]  # (CPU side: kineto mirrors them on the GPU's rows)
           if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e["name"].startswith("mcrdl:")]
 names = [e["name"] for e in events]
 check("one event per op and library", names == [f"mcrdl:{lib}:all_reduce" for lib in libraries for _ in (0, 1)],
-      names)
+      "2 per library", names)
 check("tensor shapes and bytes", all(e["args"].get("Input Dims", [None])[0] == [1024]
                                      and e["args"].get("Concrete Inputs", [])[1:] == ["4096", str(world)]
-                                     for e in events), [e["args"] for e in events])
-check("every event finished", all("finished" not in e["args"] for e in events), names)
+                                     for e in events), "[1024], 4096 bytes", [e["args"] for e in events])
+check("every event finished", all("finished" not in e["args"] for e in events), "all finished", names)
 dump = pickle.load(open(mcrdl.dump_flight_recorder(), "rb"))
 entries = [e for e in dump["entries"] if e["input_sizes"] == [[1024]]]
 check("flight recorder entries", [e["profiling_name"] for e in entries]
       == [f"nccl:all_reduce mcrdl={lib}" for lib in libraries for _ in (0, 1)],
-      [e["profiling_name"] for e in entries])
-check("entries completed", all(e["state"] == "completed" for e in entries), [e["state"] for e in entries])
+      "nccl:all_reduce mcrdl=<library>, 2 per library", [e["profiling_name"] for e in entries])
+check("entries completed", all(e["state"] == "completed" for e in entries), "completed", [e["state"] for e in entries])
 mcrdl.destroy_process_group()
-sys.exit(1 if failed else 0)

@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 import mcrdl
+import verdicts  # noqa: F401  (an exception that ends a rank is a failed check)
 from mcrdl.backends.torch_pg import GlooBackend
 
 

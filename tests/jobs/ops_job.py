@@ -1,5 +1,9 @@
 """Every op x live CPU backend x dtypes x sizes x groups x sync/async, checked
-against references computed locally. Usage: ops_job.py [backend ...]"""
+against references computed locally. Usage: ops_job.py [backend ...]
+
+``OPS_JOB_BREAK=<op>@<rank>``: that rank's ``mcrdl.<op>`` adds 1 to its result (a
+deliberately broken op: the test of the test harness)."""
+import os
 import sys
 
 import torch
@@ -16,6 +20,19 @@ if world >= 4:
     groups.append((mcrdl.new_group(sub_ranks), sub_ranks))
 SIZES = (0, 1, 7, 1000)  # 7 and 1000 are not multiples of 2 or 4 ranks... 1000 is of 2/4 but 7 not
 count = 0
+if os.environ.get("OPS_JOB_BREAK", "@").split("@")[1] == str(rank):
+    broken_op = os.environ["OPS_JOB_BREAK"].split("@")[0]
+    correct = getattr(mcrdl, broken_op)
+
+    def broken(tensor, *args, **kwargs):
+        work = correct(tensor, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        if tensor.dtype != torch.bool:
+            tensor.add_(1)
+        return work
+
+    setattr(mcrdl, broken_op, broken)
 
 
 def finish(work, async_op):

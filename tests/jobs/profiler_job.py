@@ -3,7 +3,7 @@ torch.distributed on "mcrdl", blocking and async, fast and general paths, on
 MPI and gloo; an async op's event spans until its completion.
 
 Usage: profiler_job.py OUTDIR [logged]  (logged: the comms logger records too,
-and must see the same ops). Prints ``CHECK name rank=R ok|FAIL ...`` lines."""
+and must see the same ops). Files its checks as verdicts (tests/jobs/verdicts.py)."""
 import json
 import os
 import sys
@@ -15,21 +15,13 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import mcrdl
+from verdicts import check
 import mcrdl.integrations.torch_backend as tb
 
 warnings.simplefilter("ignore", FutureWarning)
 out_dir, logged = sys.argv[1], sys.argv[2:] == ["logged"]
 tb.init_process_group(mcrdl_options={"timeout": 60, "comms_log": logged})
 rank, world = dist.get_rank(), dist.get_world_size()
-failed = 0
-
-
-def check(name, ok, detail=""):
-    global failed
-    failed += not ok
-    print(f"CHECK {name} rank={rank} {'ok' if ok else 'FAIL ' + detail}", flush=True)
-
-
 t = torch.ones(256)  # 1 KiB
 peer = 1 - rank
 with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -58,19 +50,18 @@ print(f"rank {rank} events: {names}", flush=True)
 want = ["mcrdl:mpi:all_reduce", "mcrdl:gloo:all_reduce", "mcrdl:mpi:all_reduce", "mcrdl:mpi:all_reduce",
         "mcrdl:mpi:all_gather_into_tensor", "mcrdl:mpi:broadcast",
         "mcrdl:mpi:send" if rank == 0 else "mcrdl:mpi:recv", "mcrdl:mpi:barrier"]
-check("one event per op, library and op in its name", names == want, f"got {names}")
+check("one event per op, library and op in its name", names == want, want, names)
 first = events[0]["args"] if events else {}
 check("bytes and group size as inputs", first.get("Concrete Inputs", [])[1:] == ["1024", str(world)]
       and first.get("Input Dims", [None])[0] == [256] and first.get("Input type", [None])[0] == "float",
-      f"got {first}")
+      "1024 bytes, group of 2, [256] float", first)
 spans = {e["name"]: e["dur"] for e in events}
 check("an async op spans until completion", spans.get("mcrdl:mpi:all_gather_into_tensor", 0) >= 50_000,
-      f"all_gather_into_tensor lasted {spans.get('mcrdl:mpi:all_gather_into_tensor')} us")
+      ">= 50000 us", f"all_gather_into_tensor lasted {spans.get('mcrdl:mpi:all_gather_into_tensor')} us")
 check("every event finished", all("finished" not in e["args"] for e in events),
-      str([e["name"] for e in events if "finished" in e["args"]]))
+      "all finished", str([e["name"] for e in events if "finished" in e["args"]]))
 if logged:
     ops = [r.op for r in mcrdl.comms_records()]
-    check("the logger sees the same ops", ops[:len(want)] == [n.split(":")[2] for n in want], f"logged {ops}")
+    check("the logger sees the same ops", ops[:len(want)] == [n.split(":")[2] for n in want], want, ops)
 dist.destroy_process_group()
 mcrdl.destroy_process_group()
-sys.exit(1 if failed else 0)

@@ -14,6 +14,7 @@ import sys
 import time
 
 import mcrdl
+import verdicts  # noqa: F401  (an exception that ends a rank is a failed check)
 from mcrdl import cli
 from mcrdl.backends.mpi import MPIBackend
 

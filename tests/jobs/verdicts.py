@@ -1,0 +1,106 @@
+"""Structured verdicts of the test jobs: check name, rank, expected, got.
+
+A job calls :func:`check` (or :func:`check_equal`) for what it verifies; each verdict
+is one JSON line in ``$TEST_VERDICTS/rank<r>.jsonl``, a directory the test's runner
+(tests/conftest.py) made and reads back. Ranks never share a file, so no verdict is lost
+to two ranks' output being joined. A job that dies on an exception leaves a verdict
+naming it (an ``uncaught`` check with the exception and the job's line), so the test
+names the rank and the place even when no check ran. Run by hand (no
+``TEST_VERDICTS``), verdicts print as ``CHECK <name> rank=<r> ok|FAIL ...`` lines.
+"""
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+_RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_rank = None
+
+
+def set_rank(rank):
+    """The rank verdicts are filed under (default: the launcher's rank variable)."""
+    global _rank
+    _rank = int(rank)
+
+
+def rank():
+    if _rank is not None:
+        return _rank
+    return int(next((os.environ[v] for v in _RANK_VARIABLES if v in os.environ), 0))
+
+
+def _file(path=os.environ.get("TEST_VERDICTS")):
+    return os.path.join(path, f"rank{rank()}.jsonl") if path else None
+
+
+def record(name, ok, expected=None, got=None, where=None):
+    """File one verdict; ``expected``/``got`` are kept as their repr (only on failure)."""
+    entry = {"name": name, "rank": rank(), "ok": bool(ok)}
+    if not ok:
+        entry.update(expected=None if expected is None else _short(expected),
+                     got=None if got is None else _short(got), where=where or _caller())
+    path = _file()
+    if path is None:
+        tail = "ok" if ok else f"FAIL expected={entry['expected']} got={entry['got']} at {entry['where']}"
+        print(f"CHECK {name} rank={entry['rank']} {tail}", flush=True)
+        return bool(ok)
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return bool(ok)
+
+
+def check(name, ok, expected=None, got=None):
+    """One named check; returns ``ok`` (the job goes on either way)."""
+    return record(name, ok, expected, got)
+
+
+def check_equal(name, got, want):
+    """torch.equal on each pair of tensors (bitwise, same shape and dtype)."""
+    got, want = list(got), list(want)
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g.shape != w.shape or not torch.equal(g, w)]
+    return record(name, len(got) == len(want) and not bad, "torch.equal for all",
+                  f"{len(got)} vs {len(want)} tensors; differ at {bad}: " + ", ".join(
+                      f"#{i} {tuple(got[i].shape)} vs {tuple(want[i].shape)} max|d|={_max_diff(got[i], want[i])}"
+                      for i in bad), _caller())
+
+
+def _max_diff(a, b):
+    if a.shape != b.shape:
+        return "n/a"
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _short(value, limit=600):
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
+
+
+def _caller():
+    """file:line of the job's frame that made the check (outside the shared helpers)."""
+    helpers = (__file__, os.path.join(os.path.dirname(__file__), "common.py"))
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if frame.filename not in helpers:
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "?"
+
+
+class CheckFailed(AssertionError):
+    """A failed check that stops the job (its verdict is already filed)."""
+
+
+def _uncaught(kind, exc, tb):
+    """An exception that ends the job is a failed check named ``uncaught``."""
+    if issubclass(kind, CheckFailed):
+        return _previous_hook(kind, exc, tb)
+    frames = [f for f in traceback.extract_tb(tb) if "/tests/jobs/" in f.filename] or traceback.extract_tb(tb)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+    try:
+        record("uncaught", False, "no exception", f"{kind.__name__}: {exc}", where)
+    finally:
+        _previous_hook(kind, exc, tb)
+
+
+_previous_hook = sys.excepthook
+sys.excepthook = _uncaught
