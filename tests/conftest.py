@@ -13,7 +13,7 @@ JOBS = Path(__file__).parent / "jobs"
 #: the marker of each test module that is not a ``job`` module (``pytest -m unit`` etc.);
 #: a job module may hold in-process tests too, a unit module launches nothing
 KINDS = {"test_fuzz": "unit", "test_order_checks": "unit", "test_selector": "unit",
-         "test_tune_unit": "unit", "test_tuning": "unit", "test_frameworks": "frameworks",
+         "test_tune_unit": "unit", "test_tuning": "unit", "test_settings": "unit", "test_frameworks": "frameworks",
          "test_torch_suite": "frameworks", "test_compile": "frameworks", "test_cuda": "gpu"}
 
 

@@ -75,6 +75,7 @@ import statistics
 import time
 from typing import Optional
 
+from . import settings
 from .tuning import FORMAT, OP_CLASS
 from .work import DONE
 
@@ -208,28 +209,11 @@ class Autotuner:
         ``MCRDL_AUTOTUNE_CALLS``, ``MCRDL_AUTOTUNE_SAVE``, ``MCRDL_AUTOTUNE_DRIFT``,
         ``MCRDL_AUTOTUNE_BLOCK_MS``), or None when off."""
         if enabled is None:
-            flag = os.environ.get("MCRDL_AUTOTUNE", "0")
-            if flag not in ("0", "1"):
-                raise ValueError(f"MCRDL_AUTOTUNE: expected 0 or 1, got {flag!r}")
-            enabled = flag == "1"
+            enabled = settings.get("MCRDL_AUTOTUNE")
         if not enabled:
             return None
-        raw = os.environ.get("MCRDL_AUTOTUNE_CALLS", "3")
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"MCRDL_AUTOTUNE_CALLS: expected a positive integer, got {raw!r}")
-        drift = os.environ.get("MCRDL_AUTOTUNE_DRIFT", "0")
-        if not drift.isdigit() or 0 < int(drift) < 2:
-            raise ValueError(f"MCRDL_AUTOTUNE_DRIFT: expected 0 (off) or a window of at least 2 calls, "
-                             f"got {drift!r}")
-        block = os.environ.get("MCRDL_AUTOTUNE_BLOCK_MS", "100")
-        try:
-            block_ms = float(block)
-        except ValueError:
-            block_ms = -1.0
-        if not 0 <= block_ms < float("inf"):
-            raise ValueError(f"MCRDL_AUTOTUNE_BLOCK_MS: expected milliseconds >= 0 (0: no trial), got {block!r}")
-        return {"calls": int(raw), "save": os.environ.get("MCRDL_AUTOTUNE_SAVE") or None, "drift": int(drift),
-                "block_ms": block_ms}
+        return {"calls": settings.get("MCRDL_AUTOTUNE_CALLS"), "save": settings.get("MCRDL_AUTOTUNE_SAVE"),
+                "drift": settings.get("MCRDL_AUTOTUNE_DRIFT"), "block_ms": settings.get("MCRDL_AUTOTUNE_BLOCK_MS")}
 
     def explores(self, op: str, explicit: Optional[str]) -> bool:
         """Does autotune decide this call (no ``backend=``, no static map entry)?"""

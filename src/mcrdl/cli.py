@@ -4,11 +4,11 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import sys
 import warnings
 from typing import Optional, Sequence
 
+from . import settings
 from .launcher import BINDINGS, STOP_GRACE_S
 from .tuning import DEVICES, MAX_INT, shown
 from .types import UnsupportedError
@@ -59,7 +59,7 @@ def _cmd_info(args) -> int:
             from .backends.mpi import cuda_support
             aware, how = cuda_support()
             console.print(f"MPI takes CUDA memory: {'yes' if aware else 'no'} ({how})")
-        console.print(f"waits: {mcrdl.wait_policy()} (MCRDL_WAIT={os.environ.get('MCRDL_WAIT', 'auto')})")
+        console.print(f"waits: {mcrdl.wait_policy()} (MCRDL_WAIT={settings.get('MCRDL_WAIT')})")
     finally:
         mcrdl.destroy_process_group()
     return 0
@@ -386,6 +386,9 @@ def parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="versions and which backends are live")
     i.set_defaults(func=_cmd_info)
+
+    s = sub.add_parser("settings", help="every MCRDL_* variable: what it accepts, its default, what it does")
+    s.set_defaults(func=lambda args: print(settings.page(), end="") or 0)
 
     e = sub.add_parser("explain", help="which backend would run an op, and why")
     e.add_argument("op")

@@ -20,10 +20,12 @@ import subprocess
 import tempfile
 from typing import Iterable
 
+from . import settings
+
 
 def cache_dir() -> str:
     """``$MCRDL_CACHE``, else ``$XDG_CACHE_HOME/mcrdl`` or ``~/.cache/mcrdl``."""
-    return os.environ.get("MCRDL_CACHE") or os.path.join(
+    return settings.get("MCRDL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcrdl")
 
 

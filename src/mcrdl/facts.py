@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import compiled
+from . import compiled, settings
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "facts.cpp")
 MODULE = "mcrdl_facts"
@@ -131,7 +131,7 @@ def cxx() -> Optional[list[str]]:
 @functools.cache  # (module, status line), once per process
 def _load() -> tuple:
     here = sys.modules[__name__]
-    if os.environ.get("MCRDL_NATIVE", "1") == "0":
+    if not settings.get("MCRDL_NATIVE"):
         return here, "off (MCRDL_NATIVE=0): pure Python"
     compiler = cxx()
     if compiler is None:

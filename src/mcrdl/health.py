@@ -9,7 +9,6 @@ arrive at the collective.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
@@ -17,18 +16,6 @@ from typing import Callable, Optional, Sequence
 
 #: A peer whose last heartbeat is older than this many intervals is reported silent.
 STALE_INTERVALS = 3.0
-
-
-def heartbeat_interval() -> float:
-    """Seconds between heartbeats, from ``MCRDL_HEARTBEAT_S`` (default 1)."""
-    raw = os.environ.get("MCRDL_HEARTBEAT_S", "1")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"MCRDL_HEARTBEAT_S must be a number of seconds, got {raw!r}") from None
-    if not value >= 0:
-        raise ValueError(f"MCRDL_HEARTBEAT_S must be >= 0, got {raw!r}")
-    return value
 
 
 class Health:

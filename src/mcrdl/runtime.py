@@ -16,15 +16,15 @@ import torch
 
 from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
-from . import pmi
+from . import pmi, settings
 from .backends.mpi import init_launched, library_name, mpi_launched
 from .features.flight_recorder import FlightRecorder, buffer_size, dump_prefix
 from .features.profiler import PROFILER, observers
-from .health import Health, heartbeat_interval
+from .health import Health
 from .selector import Selector, parse_op_backends
 from .tuning import TuningTable
 from .types import CommTimeoutError, ReduceOp
-from .watchdog import Watchdog, frozen_after, watchdog_enabled
+from .watchdog import Watchdog
 from .work import DEATH_GRACE_S, Engine, _seconds, set_wait_policy, wait_policy_from_env
 
 FR_WAIT_S = 5.0  # seconds a rank that asked for every flight recorder dump waits for them
@@ -69,7 +69,7 @@ class Group:
 
 def _load_table(spec: Union[None, str, dict, TuningTable], live) -> Optional[TuningTable]:
     """A tuning table from a path, a dict, a table, or ``MCRDL_TUNING_TABLE``."""
-    spec = spec if spec is not None else os.environ.get("MCRDL_TUNING_TABLE") or None
+    spec = spec if spec is not None else settings.get("MCRDL_TUNING_TABLE")
     if isinstance(spec, str):
         return TuningTable.load(spec, REGISTRY, live)
     if isinstance(spec, dict):
@@ -102,7 +102,7 @@ def _store_address(single_host: bool) -> str:
     the user chose for gloo); else this host's name's address unless it is a
     loopback one (Debian maps the hostname to 127.0.1.1); else the source address of
     the default route. Only that address is bound, never every interface."""
-    explicit = os.environ.get("MCRDL_MASTER_ADDR")
+    explicit = settings.get("MCRDL_MASTER_ADDR")
     if explicit:
         return explicit
     if single_host:
@@ -257,16 +257,16 @@ class Runtime:
                 raise ValueError(f"unknown backend {name!r} (registered: {', '.join(REGISTRY)})")
         # Everything decidable locally is checked before the rendezvous, so a bad
         # argument fails on every rank at once instead of stranding the others.
-        default = default_backend or os.environ.get("MCRDL_DEFAULT_BACKEND")
+        default = default_backend or settings.get("MCRDL_DEFAULT_BACKEND")
         if default is not None and default not in REGISTRY:
             raise ValueError(f"default backend {default!r} is not a registered backend "
                              f"(registered: {', '.join(REGISTRY)})")
         table = _load_table(tuning_table, live=None)
-        if op_backends is None and os.environ.get("MCRDL_OP_BACKENDS"):
-            op_backends = parse_op_backends(os.environ["MCRDL_OP_BACKENDS"])
+        if op_backends is None and settings.get("MCRDL_OP_BACKENDS"):
+            op_backends = parse_op_backends(settings.get("MCRDL_OP_BACKENDS"))
         Selector(dict.fromkeys(REGISTRY), next(iter(REGISTRY)), op_backends)  # names and ops
         tuning = Autotuner.settings(autotune)
-        beat = heartbeat_interval()
+        beat = settings.get("MCRDL_HEARTBEAT_S")
         wait = wait_policy_from_env()
         self.timeout = timeout
         self.engine = Engine()
@@ -302,11 +302,11 @@ class Runtime:
         secret = None
         if self.store is not None and self.world_size > 1 and self.mpi_comm is not None:
             secret = self.mpi_comm.bcast(secrets.token_bytes(32) if self.rank == 0 else None, root=0)
-        if self.store is not None and self.world_size > 1 and watchdog_enabled():
+        if self.store is not None and self.world_size > 1 and settings.get("MCRDL_WATCHDOG"):
             single_host = self.local_size == self.world_size
             self.watchdog = Watchdog(self.store, self.rank, self.world_size,
                                      lambda: _listen(_store_address(single_host)),
-                                     self._peer_died, timeout, secret, frozen_after())
+                                     self._peer_died, timeout, secret, settings.get("MCRDL_FROZEN_S"))
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store,
                                  self.shared_gpu, self.mpi_missing)
@@ -342,9 +342,9 @@ class Runtime:
         self.selector = Selector(self.backends, default, op_backends, table, device_defaults)
         #: in-situ autotuning (mcrdl.autotune), or None
         self.autotune = None if tuning is None else Autotuner(self.selector, **tuning)
-        self.debug = os.environ.get("MCRDL_DEBUG", "0") == "1" if debug is None else bool(debug)
+        self.debug = settings.get("MCRDL_DEBUG") if debug is None else bool(debug)
         if comms_log is None:
-            comms_log = os.environ.get("MCRDL_COMMS_LOG", "0") == "1"
+            comms_log = settings.get("MCRDL_COMMS_LOG")
         self.logger = None
         #: the flight recorder (mcrdl.features.flight_recorder), on when TORCH_FR_BUFFER_SIZE > 0
         self.recorder = None

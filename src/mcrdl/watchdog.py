@@ -29,7 +29,6 @@ Heartbeats in the store (:mod:`mcrdl.health`) still explain timeouts.
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 import selectors
 import socket
@@ -42,28 +41,6 @@ from typing import Callable, Optional
 LINE_MAX = 256  # bytes: every line of the protocol is shorter
 HANDSHAKE_S = 30.0  # a connection not admitted by then is dropped
 MAX_PENDING = 64  # connections waiting for their handshake at once
-FROZEN_S = 15.0  # default MCRDL_FROZEN_S
-
-
-def watchdog_enabled() -> bool:
-    raw = os.environ.get("MCRDL_WATCHDOG", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"MCRDL_WATCHDOG must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def frozen_after() -> float:
-    """Seconds of silence after which a rank is frozen (``MCRDL_FROZEN_S``; 0: never)."""
-    raw = os.environ.get("MCRDL_FROZEN_S", str(FROZEN_S))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"MCRDL_FROZEN_S must be a number of seconds >= 0, got {raw!r}")
-    return value
-
-
 def beat_interval(frozen_s: float) -> float:
     """How often each end of a connection says it is alive."""
     return min(1.0, frozen_s / 5) if frozen_s else 1.0
@@ -361,4 +338,4 @@ class Watchdog:
         self._sock.close()
 
 
-__all__ = ["Watchdog", "frozen_after", "watchdog_enabled"]
+__all__ = ["Watchdog", "beat_interval"]

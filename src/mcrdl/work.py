@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
-from . import facts
+from . import facts, settings
 from .types import CommError, CommTimeoutError, PeerDiedError
 
 
@@ -212,7 +212,7 @@ _burst = 1  # set by set_wait_policy: tests per turn of a wait for one MPI reque
 
 def wait_policy_from_env() -> str:
     """``MCRDL_WAIT`` (default auto), checked."""
-    policy = os.environ.get("MCRDL_WAIT", "auto")
+    policy = settings.get("MCRDL_WAIT")
     if policy not in WAIT_POLICIES:
         raise ValueError(f"MCRDL_WAIT={policy!r}: expected one of {', '.join(WAIT_POLICIES)}")
     return policy

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .. import settings
 from ..types import ReduceOp
 from ..work import DONE, Pending, busy_seconds, current_stream, spin_until
 from . import native as native_path
@@ -44,9 +45,9 @@ def cuda_support() -> tuple[bool, str]:
     """(does MPI take CUDA device memory, how that was decided):
     ``MCRDL_MPI_CUDA_AWARE=1|0`` when set, else the loaded MPI library's own
     answer (``MPIX_Query_cuda_support``, in MPICH and Open MPI), else no."""
-    env = os.environ.get("MCRDL_MPI_CUDA_AWARE")
-    if env is not None:
-        return env == "1", f"MCRDL_MPI_CUDA_AWARE={env}"
+    aware = settings.get("MCRDL_MPI_CUDA_AWARE")
+    if aware is not None:
+        return aware, f"MCRDL_MPI_CUDA_AWARE={int(aware)}"
     for path in _mpi_library_paths():  # asking needs no CUDA
         try:
             query = ctypes.CDLL(path).MPIX_Query_cuda_support
@@ -142,7 +143,7 @@ def rows_rule(library: str) -> tuple[int, int, int]:
     all-to-all: ``MCRDL_MPI_RS_ALLTOALL=LO:HI`` (output bytes per rank, any
     group; set alike on every rank, as the launcher does) or ``off`` when set,
     else :data:`MPICH_ROWS` on MPICH and never on other libraries."""
-    spec = os.environ.get("MCRDL_MPI_RS_ALLTOALL")
+    spec = settings.get("MCRDL_MPI_RS_ALLTOALL")
     if spec is None:
         return MPICH_ROWS if library.startswith("MPICH") else NO_ROWS
     if spec.strip().lower() == "off":

@@ -16,7 +16,7 @@ import sys
 import sysconfig
 from typing import Optional
 
-from .. import compiled
+from .. import compiled, settings
 from ..types import CommError
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_native.c")
@@ -65,7 +65,7 @@ def status() -> str:
 
 @functools.cache  # (module, status line), once per process
 def _load() -> tuple:
-    if os.environ.get("MCRDL_NATIVE", "1") == "0":
+    if not settings.get("MCRDL_NATIVE"):
         return None, "off (MCRDL_NATIVE=0): pure-Python path"
     from .mpi import import_mpi
 

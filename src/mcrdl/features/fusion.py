@@ -39,14 +39,14 @@ unpacked; ``get_future()`` works on it and ``result()`` is the original tensors.
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .. import api
+from .. import api, settings
+from ..settings import parse_bytes
 from ..runtime import Group
 from ..types import ReduceOp, UnsupportedError
 from ..work import Work, run_post
@@ -56,35 +56,7 @@ __all__ = ["all_reduce_coalesced", "broadcast_coalesced", "all_gather_coalesced"
            "DEFAULT_BUCKET_BYTES"]
 
 #: Default bucket cap: 25 MiB, as DDP's ``bucket_cap_mb=25``.
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-#: Default bound on the bytes of free (cached) fusion buffers.
-DEFAULT_POOL_BYTES = 256 * 1024 * 1024
-
-
-def parse_bytes(text, what: str = "size") -> int:
-    """``4096``, ``64K``, ``25M``, ``1G`` (binary units; a trailing ``B`` is allowed)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    t = str(text).strip().upper()
-    if t.endswith("IB"):
-        t = t[:-2]
-    elif t.endswith("B"):
-        t = t[:-1]
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a byte count (e.g. 4096, 64K, 25M)") from None
-
-
-def _env_bytes(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    n = parse_bytes(raw, name)
-    if n <= 0:
-        raise ValueError(f"{name}={raw!r}: must be a positive byte count")
-    return n
+DEFAULT_BUCKET_BYTES = settings.SETTINGS["MCRDL_FUSION_BUCKET_BYTES"].default
 
 
 _bucket_bytes: Optional[int] = None  # None: MCRDL_FUSION_BUCKET_BYTES or the default
@@ -92,8 +64,7 @@ _bucket_bytes: Optional[int] = None  # None: MCRDL_FUSION_BUCKET_BYTES or the de
 
 def get_bucket_bytes() -> int:
     """The module-wide bucket cap in bytes."""
-    return _bucket_bytes if _bucket_bytes is not None else \
-        _env_bytes("MCRDL_FUSION_BUCKET_BYTES", DEFAULT_BUCKET_BYTES)
+    return _bucket_bytes if _bucket_bytes is not None else settings.get("MCRDL_FUSION_BUCKET_BYTES")
 
 
 def set_bucket_bytes(nbytes) -> None:
@@ -121,8 +92,7 @@ class BufferPool:
     on the futures thread."""
 
     def __init__(self, max_bytes: Optional[int] = None):
-        self.max_bytes = _env_bytes("MCRDL_FUSION_POOL_BYTES", DEFAULT_POOL_BYTES) \
-            if max_bytes is None else int(max_bytes)
+        self.max_bytes = settings.get("MCRDL_FUSION_POOL_BYTES") if max_bytes is None else int(max_bytes)
         self._lock = threading.Lock()
         self._free: dict[tuple, list] = {}
         self._lru: "OrderedDict[int, tuple]" = OrderedDict()  # id(buf) -> (key, buf)

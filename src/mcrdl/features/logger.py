@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
+from .. import settings
 from ..tuning import OP_CLASS, busbw_factor
 
 #: Size classes of the histogram and the summary (upper bounds, bytes).
@@ -85,7 +86,7 @@ class CommsLogger:
         being the active logger."""
         global _active
         try:
-            directory = os.environ.get("MCRDL_COMMS_LOG_DIR")
+            directory = settings.get("MCRDL_COMMS_LOG_DIR")
             if directory:
                 export_comms(directory)
             summary = comms_summary(all_ranks=True)
