@@ -307,9 +307,9 @@ class Bench:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            store = dist.PrefixStore("raw-gloo/", api._rt().store)
+            store = dist.PrefixStore("raw-gloo/", api.current_runtime().store)
             dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world,
-                                    timeout=_dt.timedelta(seconds=api._rt().timeout))
+                                    timeout=_dt.timedelta(seconds=api.current_runtime().timeout))
             self._own_raw_gloo = True
 
     def close(self) -> None:
@@ -407,12 +407,12 @@ def _runs(variant: str, op: str, device: str) -> bool:
     has no CUDA p2p: its cells stay empty, and a tune leaves it out there)"""
     if variant == "mcrdl" or variant.startswith("raw-"):
         return True
-    return api._rt().selector.why_not(variant, OP_CLASS[op], device, torch.float32) is None
+    return api.current_runtime().selector.why_not(variant, OP_CLASS[op], device, torch.float32) is None
 
 
 def _selected(op: str, nbytes: int, device: str) -> str:
     """The backend mcrdl's selection picks for this benchmark's call."""
-    rt = api._rt()
+    rt = api.current_runtime()
     return rt.selector.choose(OP_CLASS[op], nbytes, rt.world.size, device, torch.float32, None, None)
 
 
@@ -420,6 +420,54 @@ def default_device() -> str:
     """The device type a job's tensors are on when nobody says: ``cuda`` where
     torch sees a GPU, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def live_for(device: str) -> list:
+    """The live backends taking ``device`` tensors; a ValueError when none does."""
+    live = api.live_backends(device)
+    if not live:
+        why = " (torch sees no CUDA device)" if device == "cuda" and not torch.cuda.is_available() else ""
+        raise ValueError(f"no live backend takes {device} tensors in this job{why}")
+    return live
+
+
+def ops_for(ops: Optional[Sequence[str]], world_size: int) -> list:
+    """The ops to measure (default: every one); p2p (a ping-pong between two ranks)
+    only with two or more."""
+    ops = list(ops) if ops else [o for o in BENCH_OPS if o != "p2p" or world_size > 1]
+    bad = [o for o in ops if o not in BENCH_OPS]
+    if bad:
+        raise ValueError(f"unknown ops {bad} (expected {', '.join(BENCH_OPS)})")
+    if "p2p" in ops and world_size < 2:
+        raise ValueError("p2p is a ping-pong between two ranks: it needs -n 2 or more")
+    return ops
+
+
+def sweep_sizes(sizes: Optional[Sequence[int]], quick: bool, quick_sizes: Sequence[int], max_bytes: int,
+                step: int = 1) -> list:
+    """``sizes`` if given, else ``quick_sizes`` when quick, else every STEP-th
+    doubling from 4 B to ``max_bytes``."""
+    if sizes:
+        return list(sizes)
+    if quick:
+        return list(quick_sizes)
+    return default_sizes(max_bytes)[::step]
+
+
+def progress_bar(total: int, enabled: bool):
+    """A rich progress bar over ``total`` cases, its task, and the ``step(label)``
+    a sweep calls at each case."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), disable=not enabled, transient=False)
+    task = progress.add_task("starting", total=total)
+
+    def step(label: str) -> None:
+        progress.update(task, description=label, advance=0 if step.first else 1)
+        step.first = False
+    step.first = True
+    return progress, task, step
 
 
 def rank_device(device: str) -> torch.device:
@@ -464,7 +512,7 @@ def mode_of(meta: dict) -> str:
 
 
 def _allgather_str(text: str) -> list[str]:
-    rt = api._rt()
+    rt = api.current_runtime()
     return [b.decode() for b in rt.control_allgather(rt.world, text.encode())]
 
 

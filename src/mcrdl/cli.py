@@ -5,7 +5,6 @@ import argparse
 import functools
 import math
 import sys
-import warnings
 from typing import Optional, Sequence
 
 from . import settings
@@ -81,29 +80,6 @@ def _cmd_explain(args) -> int:
     return 0
 
 
-def _live_for(mcrdl, device: str) -> list:
-    """The live backends taking ``device`` tensors; a ValueError when none does."""
-    import torch
-
-    live = mcrdl.live_backends(device)
-    if not live:
-        why = " (torch sees no CUDA device)" if device == "cuda" and not torch.cuda.is_available() else ""
-        raise ValueError(f"no live backend takes {device} tensors in this job{why}")
-    return live
-
-
-def _merged_rules(path: str) -> dict:
-    """A table's rules and where they came from (``mcrdl tune --merge``);
-    read before the sweep so a bad file fails early."""
-    from .backends import REGISTRY
-    from .tuning import TuningTable
-
-    with warnings.catch_warnings():  # its backends need not be live in this job
-        warnings.simplefilter("ignore")
-        old = TuningTable.load(path, REGISTRY, live=())
-    return {"rules": old.to_dict()["rules"], "metadata": {"table": path, "metadata": old.metadata}}
-
-
 def _in_job() -> bool:
     import os
 
@@ -130,51 +106,11 @@ def _relaunch(args, argv: Sequence[str]) -> Optional[int]:
                                                bind=args.bind))
 
 
-def _sweep_settings(args, quick_sizes, default_max):
-    from .bench import default_sizes
-
-    if args.sizes:
-        sizes = args.sizes
-    elif args.quick:
-        sizes = quick_sizes
-    else:
-        sizes = [s for s in default_sizes(args.max_bytes or default_max)]
-        sizes = sizes[::args.step] if args.step > 1 else sizes
-    return sizes
-
-
-def _ops(args, world_size: int) -> list:
-    """The ops to measure; p2p (a ping-pong between two ranks) only with two or more."""
-    from .bench import BENCH_OPS
-
-    ops = args.ops.split(",") if args.ops else [o for o in BENCH_OPS if o != "p2p" or world_size > 1]
-    bad = [o for o in ops if o not in BENCH_OPS]
-    if bad:
-        raise ValueError(f"unknown ops {bad} (expected {', '.join(BENCH_OPS)})")
-    if "p2p" in ops and world_size < 2:
-        raise ValueError("p2p is a ping-pong between two ranks: it needs -n 2 or more")
-    return ops
-
-
 def _init_for_tools(args):
     import mcrdl
 
     mcrdl.init_process_group(tuning_table=getattr(args, "table", None), timeout=args.timeout)
     return mcrdl
-
-
-def _progress(total: int, enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    progress = Progress(TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), disable=not enabled, transient=False)
-    task = progress.add_task("starting", total=total)
-
-    def step(label: str) -> None:
-        progress.update(task, description=label, advance=0 if step.first else 1)
-        step.first = False
-    step.first = True
-    return progress, task, step
 
 
 def _cmd_bench(args, argv) -> int:
@@ -187,19 +123,20 @@ def _cmd_bench(args, argv) -> int:
     try:
         rank = mcrdl.get_rank()
         device = args.device or bench.default_device()
-        live = _live_for(mcrdl, device)
+        live = bench.live_for(device)
         raw = [f"raw-{b}" for b in ("mpi", "gloo") if b in live] if device == "cpu" else []
         variants = args.variants.split(",") if args.variants else live + ["mcrdl"] + raw
         unknown = [v for v in variants if v not in live + ["mcrdl"] + raw]
         if unknown:
             raise ValueError(f"unknown or not live variants {unknown} for {device} tensors (live backends: "
                              f"{', '.join(live)}; raw-mpi and raw-gloo time CPU tensors only)")
-        ops = _ops(args, mcrdl.get_world_size())
-        sizes = _sweep_settings(args, [4, 1024, 65536, 1 << 20], 16 << 20)
+        ops = bench.ops_for(args.ops.split(",") if args.ops else None, mcrdl.get_world_size())
+        sizes = bench.sweep_sizes(args.sizes, args.quick, [4, 1024, 65536, 1 << 20], args.max_bytes or 16 << 20,
+                                  args.step)
         iters = args.iters or (20 if args.quick else 100)
         large = args.large_iters or (5 if args.quick else 10)
         rounds = args.rounds or (2 if args.quick else 5)
-        progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
+        progress, task, step = bench.progress_bar(len(ops) * len(sizes), rank == 0)
         with progress:
             b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step, args.cold, device)
             try:
@@ -234,74 +171,14 @@ def _cmd_tune(args, argv) -> int:
     rc = _relaunch(args, argv)
     if rc is not None:
         return rc
-    import json
+    from . import tune
 
-    from . import bench, tune
-
-    mcrdl = _init_for_tools(args)
-    try:
-        rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-        device = args.device or bench.default_device()
-        live = _live_for(mcrdl, device)
-        backends = args.backends.split(",") if args.backends else live
-        bad = [b for b in backends if b not in live]
-        if bad:
-            raise ValueError(f"--backends {bad} are not live backends for {device} tensors (live: {', '.join(live)})")
-        merged = _merged_rules(args.merge) if args.merge else None
-        ops = _ops(args, mcrdl.get_world_size())
-        sizes = _sweep_settings(args, [4, 256, 4096, 65536, 1 << 20, 4 << 20], 16 << 20)
-        iters = args.iters or (20 if args.quick else 100)
-        large = args.large_iters or (4 if args.quick else 10)
-        rounds = args.rounds or (3 if args.quick else 5)
-        progress, task, step = _progress(len(ops) * len(sizes), rank == 0)
-        with progress:
-            b = bench.Bench(backends, iters, large, args.warmup, rounds, False, step, args.cold, device)
-            try:
-                results = b.sweep(ops, sizes)
-                again = tune.contested(results, backends, args.margin)
-                if again:  # a minority winner must win again later (tune's docstring)
-                    progress.update(task, total=len(ops) * len(sizes) + sum(map(len, again.values())))
-                    second = [r for op, op_sizes in again.items() for r in b.sweep([op], op_sizes)]
-                    before = tune.decide(results, backends, args.margin)
-                    results = tune.best_of(results, second)
-            finally:
-                b.close()
-            progress.update(task, advance=1, description="done")
-        meta = bench.metadata({"ops": ops, "sizes": sizes, "backends": backends, "iters": iters,
-                               "large_iters": large, "rounds": rounds, "warmup": args.warmup,
-                               "quick": args.quick}, b.mode, device)
-        table = tune.make_table(results, backends, world, meta, args.margin, again, device)
-        if merged:  # what was measured (device, op, group size) replaces OLD's, the rest stays
-            for op, by_size in table["rules"][device].items():
-                merged["rules"].setdefault(device, {}).setdefault(op, {}).update(by_size)
-            table["rules"] = merged["rules"]
-            table["metadata"]["merged"] = merged["metadata"]
-        if rank == 0:
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(table, f, indent=2)
-                f.write("\n")
-            print(f"tuning table written to {args.out}")
-            if again:
-                flips = [f"{op} {bench.human(size)} {w0} -> {w1}" for op, size, w0, w1
-                         in tune.changed(before, tune.decide(results, backends, args.margin))]
-                print("measured again (won by a minority backend): "
-                      + ", ".join(f"{op} {','.join(map(bench.human, ss))}" for op, ss in again.items())
-                      + f"; winners changed: {', '.join(flips) or 'none'}")
-            print("crossovers:")
-            for line in tune.crossovers(table):
-                print("  " + line)
-            print("expected speed-up of the table over each single backend (geomean / max over sizes):")
-            for op, per in tune.gains(results, table, backends, device, world).items():
-                print(f"  {op:15s} " + "  ".join(f"vs {b}: {g:.2f}x / {m:.2f}x" for b, (g, m) in per.items()))
-            if args.results:
-                bench.write_json(args.results, results, meta)
-            if args.plot:
-                from .plots import plot_ops
-                print("plots:", ", ".join(plot_ops(results, args.plot, table,
-                                                   f"({world} ranks, {device}, tuned)", device)))
-        return 0
-    finally:
-        mcrdl.destroy_process_group()
+    tune.run(args.out, device=args.device, backends=args.backends.split(",") if args.backends else None,
+             ops=args.ops.split(",") if args.ops else None, sizes=args.sizes, quick=args.quick,
+             max_bytes=args.max_bytes, step=args.step, iters=args.iters, large_iters=args.large_iters,
+             warmup=args.warmup, rounds=args.rounds, cold=args.cold, margin=args.margin, merge=args.merge,
+             results=args.results, plot=args.plot, timeout=args.timeout)
+    return 0
 
 
 def _cmd_model(args) -> int:

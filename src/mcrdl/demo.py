@@ -196,17 +196,16 @@ def _inner(args, names: List[str]) -> int:
     """In the job: tune, then every workload in every mode."""
     import importlib
 
-    from . import cli
+    from . import tune
+    from .settings import parse_bytes
 
     os.makedirs(args.out, exist_ok=True)
     modes = args.modes.split(",")
     table = args.table
     if table is None and set(TABLE_MODES) & set(modes):
         table = os.path.join(args.out, "table.json")
-        rc = cli.main(["tune", "--quick", "--device", args.device, "--ops", ",".join(TUNE_OPS),
-                       "--sizes", args.tune_sizes, "--rounds", "5", "--out", table])
-        if rc != 0:
-            return rc
+        tune.run(table, quick=True, device=args.device, ops=TUNE_OPS, rounds=5,
+                 sizes=[parse_bytes(s, "--tune-sizes") for s in args.tune_sizes.split(",")])
     worst = 0
     for name in names:
         module, extra, more_modes = WORKLOADS[name]

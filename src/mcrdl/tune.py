@@ -15,12 +15,18 @@ polling ranks on one core, another job's burst) would leave a range for the
 other backend in the table. So sizes won by a backend other than the one
 that wins most of the class (:func:`contested`) are measured again after the
 sweep, and each backend is judged by its better pass (:func:`best_of`).
+
+:func:`run` is the whole procedure in a job (``mcrdl tune``; the demo and the
+workloads' ``--tune`` call it too).
 """
 from __future__ import annotations
 
+import json
+import warnings
 from collections import Counter
 from typing import Optional, Sequence
 
+from . import api, bench
 from .bench import Result, human
 from .tuning import FORMAT, OP_CLASS
 
@@ -159,3 +165,92 @@ def gains(results: Sequence[Result], table: dict, backends: Sequence[str], devic
                 per_backend[b] = (math.exp(sum(map(math.log, ratios)) / len(ratios)), max(ratios))
         out[op] = per_backend
     return out
+
+
+def run(out: str, *, device: Optional[str] = None, backends: Optional[Sequence[str]] = None,
+        ops: Optional[Sequence[str]] = None, sizes: Optional[Sequence[int]] = None, quick: bool = False,
+        max_bytes: Optional[int] = None, step: int = 1, iters: Optional[int] = None,
+        large_iters: Optional[int] = None, warmup: int = 3, rounds: Optional[int] = None, cold: bool = False,
+        margin: float = 0.05, merge: Optional[str] = None, results: Optional[str] = None,
+        plot: Optional[str] = None, timeout: float = 300) -> dict:
+    """Measure ``backends`` (default: every live one) on every rank of this job and
+    write the tuning table to ``out`` (rank 0); returns the table. Starts and ends
+    mcrdl itself; every rank calls it. ``merge``: keep that table's rules where this
+    run measured nothing (device, op, group size). A ValueError names a bad argument."""
+    api.init_process_group(timeout=timeout)
+    try:
+        rank, world = api.get_rank(), api.get_world_size()
+        device = device or bench.default_device()
+        live = bench.live_for(device)
+        backends = list(backends or live)
+        bad = [b for b in backends if b not in live]
+        if bad:
+            raise ValueError(f"--backends {bad} are not live backends for {device} tensors (live: {', '.join(live)})")
+        merged = _merged_rules(merge) if merge else None
+        ops = bench.ops_for(ops, world)
+        sizes = bench.sweep_sizes(sizes, quick, [4, 256, 4096, 65536, 1 << 20, 4 << 20], max_bytes or 16 << 20,
+                                  step)
+        iters = iters or (20 if quick else 100)
+        large = large_iters or (4 if quick else 10)
+        rounds = rounds or (3 if quick else 5)
+        progress, task, advance = bench.progress_bar(len(ops) * len(sizes), rank == 0)
+        with progress:
+            b = bench.Bench(backends, iters, large, warmup, rounds, False, advance, cold, device)
+            try:
+                measured = b.sweep(ops, sizes)
+                again = contested(measured, backends, margin)
+                if again:  # a minority winner must win again later (the module's docstring)
+                    progress.update(task, total=len(ops) * len(sizes) + sum(map(len, again.values())))
+                    second = [r for op, op_sizes in again.items() for r in b.sweep([op], op_sizes)]
+                    before = decide(measured, backends, margin)
+                    measured = best_of(measured, second)
+            finally:
+                b.close()
+            progress.update(task, advance=1, description="done")
+        meta = bench.metadata({"ops": ops, "sizes": sizes, "backends": backends, "iters": iters,
+                               "large_iters": large, "rounds": rounds, "warmup": warmup, "quick": quick},
+                              b.mode, device)
+        table = make_table(measured, backends, world, meta, margin, again, device)
+        if merged:  # what was measured (device, op, group size) replaces OLD's, the rest stays
+            for op, by_size in table["rules"][device].items():
+                merged["rules"].setdefault(device, {}).setdefault(op, {}).update(by_size)
+            table["rules"] = merged["rules"]
+            table["metadata"]["merged"] = merged["metadata"]
+        if rank == 0:
+            with open(out, "w", encoding="utf-8") as f:
+                json.dump(table, f, indent=2)
+                f.write("\n")
+            print(f"tuning table written to {out}")
+            if again:
+                flips = [f"{op} {human(size)} {w0} -> {w1}" for op, size, w0, w1
+                         in changed(before, decide(measured, backends, margin))]
+                print("measured again (won by a minority backend): "
+                      + ", ".join(f"{op} {','.join(map(human, ss))}" for op, ss in again.items())
+                      + f"; winners changed: {', '.join(flips) or 'none'}")
+            print("crossovers:")
+            for line in crossovers(table):
+                print("  " + line)
+            print("expected speed-up of the table over each single backend (geomean / max over sizes):")
+            for op, per in gains(measured, table, backends, device, world).items():
+                print(f"  {op:15s} " + "  ".join(f"vs {b}: {g:.2f}x / {m:.2f}x" for b, (g, m) in per.items()))
+            if results:
+                bench.write_json(results, measured, meta)
+            if plot:
+                from .plots import plot_ops
+                print("plots:", ", ".join(plot_ops(measured, plot, table, f"({world} ranks, {device}, tuned)",
+                                                   device)))
+        return table
+    finally:
+        api.destroy_process_group()
+
+
+def _merged_rules(path: str) -> dict:
+    """A table's rules and where they came from (``merge``); read before the
+    sweep so a bad file fails early."""
+    from .backends import REGISTRY
+    from .tuning import TuningTable
+
+    with warnings.catch_warnings():  # its backends need not be live in this job
+        warnings.simplefilter("ignore")
+        old = TuningTable.load(path, REGISTRY, live=())
+    return {"rules": old.to_dict()["rules"], "metadata": {"table": path, "metadata": old.metadata}}

@@ -398,13 +398,10 @@ def gather_json(obj) -> Optional[list]:
 def _quick_tune(ops: Sequence[str], out: str, device: str) -> None:
     """``mcrdl tune --quick`` of ``ops`` on ``device`` tensors inside this job
     (every rank calls it)."""
-    from mcrdl import cli
+    from mcrdl import tune
 
-    d = os.path.dirname(os.path.abspath(out))
-    os.makedirs(d, exist_ok=True)
-    rc = cli.main(["tune", "--quick", "--device", device, "--ops", ",".join(ops), "--out", out])
-    if rc != 0:
-        raise RuntimeError(f"mcrdl tune exited {rc}")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    tune.run(out, quick=True, device=device, ops=ops)
 
 
 # -- the runner -----------------------------------------------------------------------------
