@@ -49,7 +49,7 @@ p.add_argument("--record", help="write PREFIX.json and PREFIX.md")
 args = p.parse_args()
 
 deepspeed.init_distributed(dist_backend="mcrdl")
-rt = api._rt()
+rt = api.current_runtime()
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 logger = CommsLogger(rank, world, lambda data: rt.control_allgather(rt.world, data))
 recorder = FlightRecorder(rank, 2000, "/dev/null/never-dumped")

@@ -25,7 +25,7 @@ N, ROUNDS = 2000, 7
 mcrdl.init_process_group(timeout=120)
 dev = torch.device("cuda", mcrdl.get_local_rank() % torch.cuda.device_count())
 torch.cuda.set_device(dev)
-pg = api._rt().backends["nccl"].pgs[0]  # the world group's NCCL communicator
+pg = api.current_runtime().backends["nccl"].pgs[0]  # the world group's NCCL communicator
 opts = dist.AllreduceOptions()
 opts.reduceOp = dist.ReduceOp.SUM
 

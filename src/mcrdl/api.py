@@ -129,7 +129,9 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def _rt() -> Runtime:
+def current_runtime() -> Runtime:
+    """The job's :class:`Runtime`: the internal surface mcrdl's own layers (the torch
+    backend, the DDP hook, bench) and the tests use; not part of the user API."""
     if _runtime is None:
         raise RuntimeError("mcrdl is not initialized: call mcrdl.init_process_group() first")
     return _runtime
@@ -138,7 +140,7 @@ def _rt() -> Runtime:
 def _group(group: Optional[Group], op: str = "mcrdl") -> Group:
     rt = _runtime
     if rt is None:
-        _rt()  # raises the not-initialized error
+        current_runtime()  # raises the not-initialized error
     if group is None:
         return rt.world
     if not isinstance(group, Group):
@@ -151,32 +153,32 @@ def _group(group: Optional[Group], op: str = "mcrdl") -> Group:
 
 def available_backends() -> dict[str, str]:
     """Every registered backend: ``"live"`` or the reason it is not."""
-    rt = _rt()
+    rt = current_runtime()
     return {name: ("live" if name in rt.backends else rt.unavailable.get(name, "not requested"))
             for name in REGISTRY}
 
 
 def live_backends(device: str = "cpu") -> list[str]:
     """The live backends that take tensors on ``device`` (``"cpu"``, ``"cuda"``)."""
-    return [name for name, b in _rt().backends.items() if device in b.devices]
+    return [name for name, b in current_runtime().backends.items() if device in b.devices]
 
 
 def get_backend_versions() -> dict[str, str]:
-    return {name: b.version() for name, b in _rt().backends.items()}
+    return {name: b.version() for name, b in current_runtime().backends.items()}
 
 
 def get_default_backend() -> str:
-    return _rt().default_backend
+    return current_runtime().default_backend
 
 
 def wait_policy() -> str:
     """How waits use the CPU here: "spin" or "yield" (``MCRDL_WAIT``, default auto)."""
-    return _rt().wait_policy
+    return current_runtime().wait_policy
 
 
 def get_rank(group: Optional[Group] = None) -> int:
     """This process's rank in ``group`` (-1 if not a member)."""
-    return _rt().rank if group is None else _group(group).rank
+    return current_runtime().rank if group is None else _group(group).rank
 
 
 def get_world_size(group: Optional[Group] = None) -> int:
@@ -186,11 +188,11 @@ def get_world_size(group: Optional[Group] = None) -> int:
 
 
 def get_local_rank() -> int:
-    return _rt().local_rank
+    return current_runtime().local_rank
 
 
 def get_local_size() -> int:
-    return _rt().local_size
+    return current_runtime().local_size
 
 
 def new_group(ranks: Optional[Sequence[int]] = None,
@@ -199,7 +201,7 @@ def new_group(ranks: Optional[Sequence[int]] = None,
     every rank calls it, in the same order, but only the members build
     anything; non-members get a group whose ops return None. Members that
     disagree (groups made in another order) get an error naming the ranks."""
-    rt = _rt()
+    rt = current_runtime()
     return rt.new_group(range(rt.world_size) if ranks is None else ranks, timeout)
 
 
@@ -225,7 +227,7 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
 
     if op not in OP_CLASS:
         raise ValueError(f"unknown op {op!r} (expected one of {', '.join(OP_CLASS)})")
-    rt, g = _rt(), _group(group)
+    rt, g = current_runtime(), _group(group)
     if isinstance(tensor_or_nbytes, torch.Tensor):
         t = tensor_or_nbytes
         nbytes = _nbytes(t) * (g.size if OP_CLASS[op] in ("all_gather", "gather", "scatter") else 1)
@@ -252,7 +254,7 @@ def dump_flight_recorder() -> Optional[str]:
     """Write this rank's flight recorder dump now (torch's format, for
     ``torchfrtrace``; see :mod:`mcrdl.features.flight_recorder`); returns its
     path, or None when the recorder is off (``TORCH_FR_BUFFER_SIZE`` unset or 0)."""
-    return _rt().dump_flight_recorder("requested")
+    return current_runtime().dump_flight_recorder("requested")
 
 
 def autotune_report() -> Optional[dict]:
@@ -262,7 +264,7 @@ def autotune_report() -> Optional[dict]:
     ``exploration_excess_s`` (this rank's timed calls on losing backends,
     beyond the winner's median, and a trial's blocks on the loser beyond the
     winner's)."""
-    tuner = _rt().autotune
+    tuner = current_runtime().autotune
     if tuner is None:
         return None
     return {"buckets": tuner.report(), "exploration_excess_s": tuner.excess_s}
@@ -294,7 +296,7 @@ def wait_for_conflicts(op: str, reads: Sequence[torch.Tensor], writes: Sequence[
     ``op`` reads, or touches what it writes, before anything reads them
     (staging copies included). Public for features that read or write
     tensors locally (packing, compressing)."""
-    engine = _rt().engine
+    engine = current_runtime().engine
     if engine.outstanding:
         engine.order_before(reads, writes, op)
 
@@ -447,7 +449,7 @@ def combine(op: str, works: Sequence[Optional[Work]], post: Sequence[Callable[[]
     fusion): it completes when all have, then runs ``post`` (e.g. unpacking).
     ``reads``/``writes``: the tensors ``post`` touches, so later ops order
     after it. With ``async_op=False`` waits and returns None."""
-    rt, g = _rt(), _group(group, op)
+    rt, g = current_runtime(), _group(group, op)
     works = [w for w in works if w is not None]
     backends = "+".join(dict.fromkeys(w.backend for w in works)) or "none"
     return rt.engine.run(op, backends, AfterAll(rt.engine, works), tuple(reads), tuple(writes),

@@ -5,7 +5,6 @@ import atexit
 import json
 import os
 import secrets
-import socket
 import sys
 import time
 import warnings
@@ -16,7 +15,7 @@ import torch
 
 from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
-from . import pmi, settings
+from . import pmi, rendezvous, settings
 from .backends.mpi import init_launched, library_name, mpi_launched
 from .features.flight_recorder import FlightRecorder, buffer_size, dump_prefix
 from .features.profiler import PROFILER, observers
@@ -75,94 +74,6 @@ def _load_table(spec: Union[None, str, dict, TuningTable], live) -> Optional[Tun
     if isinstance(spec, dict):
         return TuningTable.from_dict(spec, REGISTRY, live)
     return spec
-
-
-def _iface_address(name: str) -> Optional[str]:
-    """IPv4 address of network interface ``name`` (Linux), or None."""
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            req = struct.pack("256s", name.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
-    except (OSError, ImportError):
-        return None
-
-
-def _is_loopback(addr: str) -> bool:
-    return addr.startswith("127.") or addr == "::1"
-
-
-def _store_address(single_host: bool) -> str:
-    """The address rank 0's rendezvous store listens on (and the others connect to).
-
-    ``MCRDL_MASTER_ADDR`` if set; else loopback when every rank is on this host;
-    else the address of the first interface in ``GLOO_SOCKET_IFNAME`` (the network
-    the user chose for gloo); else this host's name's address unless it is a
-    loopback one (Debian maps the hostname to 127.0.1.1); else the source address of
-    the default route. Only that address is bound, never every interface."""
-    explicit = settings.get("MCRDL_MASTER_ADDR")
-    if explicit:
-        return explicit
-    if single_host:
-        return "127.0.0.1"
-    for name in filter(None, os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")):
-        addr = _iface_address(name)
-        if addr:
-            return addr
-        raise RuntimeError(f"GLOO_SOCKET_IFNAME names {name!r}, which has no IPv4 address here; "
-                           "set MCRDL_MASTER_ADDR")
-    try:
-        addr = socket.gethostbyname(socket.gethostname())
-        if not _is_loopback(addr):
-            return addr
-    except OSError:
-        pass
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
-            addr = s.getsockname()[0]
-        if not _is_loopback(addr):
-            return addr
-    except OSError:
-        pass
-    raise RuntimeError("cannot tell which address the other hosts reach this one on: set "
-                       "MCRDL_MASTER_ADDR (or GLOO_SOCKET_IFNAME)")
-
-
-def _serve_store(sock: socket.socket, world_size: int, timeout: timedelta, **kw):
-    """The rendezvous store's server on the listening ``sock``, which it takes over."""
-    import torch.distributed as dist
-
-    host, port = sock.getsockname()[:2]
-    try:
-        store = dist.TCPStore(host, port, world_size, True, timeout=timeout,
-                              master_listen_fd=sock.fileno(), **kw)
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's server owns (and closes) the socket now
-    return store
-
-
-def _listen(host: str, port: int = 0) -> socket.socket:
-    """A listening TCP socket on ``host`` (an address or a name) only, on
-    ``port`` (0: a free one)."""
-    errors = []
-    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        try:
-            if port:  # a fixed port may still hold a previous job's connections in TIME_WAIT
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(128)
-            return sock
-        except OSError as exc:
-            sock.close()
-            errors.append(f"{sockaddr[0]}: {exc.strerror or exc}")
-    raise RuntimeError(f"cannot listen on {host!r} ({'; '.join(errors) or 'no address'}): "
-                       "MCRDL_MASTER_ADDR must be an address of rank 0's host")
 
 
 POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
@@ -277,7 +188,7 @@ class Runtime:
         self.shared_gpu = False  # this host's ranks would share a GPU (MPI-launched jobs: _local_from_mpi)
         #: why MPI is not live though asked for (no MPI launcher, and no PMI service either)
         self.mpi_missing: Optional[str] = None
-        self.store_host: Optional[int] = None  # the rank whose process serves the store (_make_store)
+        self.store_host: Optional[int] = None  # the rank whose process serves the store (rendezvous)
         if store is None:
             self._launch("mpi" in requested)
         else:
@@ -288,7 +199,7 @@ class Runtime:
         self.backends: dict[str, Backend] = {}
         if self.store is None and (any(n in requested for n in ("gloo", "nccl"))
                                    or (beat > 0 and self.world_size > 1)):
-            self.store = self._make_store()
+            self.ensure_store()
         self.health = None
         if self.store is not None and beat > 0 and self.world_size > 1:
             self.health = Health(self.store, self.rank, beat, self.store_host)
@@ -305,7 +216,7 @@ class Runtime:
         if self.store is not None and self.world_size > 1 and settings.get("MCRDL_WATCHDOG"):
             single_host = self.local_size == self.world_size
             self.watchdog = Watchdog(self.store, self.rank, self.world_size,
-                                     lambda: _listen(_store_address(single_host)),
+                                     lambda: rendezvous.listen(rendezvous.store_address(single_host)),
                                      self._peer_died, timeout, secret, settings.get("MCRDL_FROZEN_S"))
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store,
@@ -409,7 +320,7 @@ class Runtime:
             self.local_rank = int(env.get("LOCAL_RANK", 0))
             self.local_size = int(env.get("LOCAL_WORLD_SIZE", 1))
             if want_mpi:
-                self.store = self._make_store()
+                self.ensure_store()
                 self._mpi_over_store()
 
     def _mpi_over_store(self) -> None:
@@ -466,53 +377,13 @@ class Runtime:
         self.mpi_comm = MPI.COMM_WORLD.Split(0, rank)  # MPI rank = the caller's rank
         self._local_from_mpi(MPI)
 
-    def _make_store(self):
-        import torch.distributed as dist
-
-        td = timedelta(seconds=self.timeout)
-        if self.mpi_comm is not None:
-            # Rank 0 binds a free port on one address (loopback for a single-host job,
-            # see _store_address) and tells everyone over MPI; an error there is
-            # raised on every rank instead of stranding the others in bcast.
-            msg = None
-            if self.rank == 0:
-                try:
-                    single_host = self.local_size == self.world_size
-                    sock = _listen(_store_address(single_host))
-                    host = sock.getsockname()[0]  # the address bound, also when named
-                    if _is_loopback(host) and not single_host:
-                        sock.close()
-                        raise RuntimeError(f"the store address resolves to {host} on rank 0, which "
-                                           "other hosts cannot reach: set MCRDL_MASTER_ADDR to an "
-                                           "address of rank 0's host")
-                    store = _serve_store(sock, self.world_size, td, wait_for_workers=False)
-                    msg = (host, store.port)
-                except Exception as exc:  # noqa: BLE001 - reported on every rank
-                    msg = f"{type(exc).__name__}: {exc}"
-            msg = self.mpi_comm.bcast(msg, root=0)
-            if isinstance(msg, str):
-                raise RuntimeError(f"mcrdl: rank 0 could not start the rendezvous store: {msg}")
-            host, port = msg
-            if self.rank != 0:
-                store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
-            self.mpi_comm.Barrier()  # everyone connected before rank 0 may leave
-            self.store_host = 0
-            return store
-        env = os.environ
-        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-            raise RuntimeError("mcrdl: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are "
-                               "not: launch with torchrun, `mcrdl run` or mpiexec")
-        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-        if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            self.store_host = 0  # known on every rank: Health names it when the store goes
-        if self.rank == 0 and self.store_host == 0:
-            # mcrdl serves the store: on MASTER_ADDR only (torch's TCPStore alone
-            # would listen on every interface)
-            store = _serve_store(_listen(host, port), self.world_size, td)
-        else:
-            store = dist.TCPStore(host, port, self.world_size, False, timeout=td)
-        # torchrun's agent keeps its store across restarts: each attempt has its own keys
-        return dist.PrefixStore(f"mcrdl/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    def ensure_store(self):
+        """The job's rendezvous store, made now if this job has none yet (collective:
+        every rank calls it)."""
+        if self.store is None:
+            self.store, self.store_host = rendezvous.make_store(self.rank, self.world_size, self.local_size,
+                                                                self.timeout, self.mpi_comm)
+        return self.store
 
     # -- groups -------------------------------------------------------------------
     def new_group(self, ranks: Iterable[int], timeout: Optional[float] = None,

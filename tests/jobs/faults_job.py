@@ -50,8 +50,8 @@ def strangers() -> None:
     goodbye, a second claim of a connected rank. None may end or blind it."""
     from mcrdl import api
     from mcrdl.watchdog import _mac
-    host, port = api._rt().store.get("watchdog/0").decode().split()[:2]
-    secret = api._rt().watchdog._secret  # the replay below needs a hello that once was valid
+    host, port = api.current_runtime().store.get("watchdog/0").decode().split()[:2]
+    secret = api.current_runtime().watchdog._secret  # the replay below needs a hello that once was valid
 
     def connect():
         sock = socket.create_connection((host, int(port)), timeout=10)
@@ -85,7 +85,7 @@ if os.environ.get("FAULT_STRANGERS") == "1":
     mcrdl.all_reduce(x, backend=backends[0])
     assert torch.equal(x, expected), "the step after the strangers is wrong"
     if rank == 0:
-        (report_dir / "rejected").write_text(str(mcrdl.api._rt().watchdog.rejected))
+        (report_dir / "rejected").write_text(str(mcrdl.api.current_runtime().watchdog.rejected))
 
 
 def fail() -> None:

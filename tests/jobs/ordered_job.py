@@ -58,8 +58,8 @@ class OrderedTwo(OrderedOnCPU):
 
 mcrdl.init_process_group(timeout=60)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-engine = mcrdl.api._rt().engine
-ordered = mcrdl.api._rt().backends[NAME]
+engine = mcrdl.api.current_runtime().engine
+ordered = mcrdl.api.current_runtime().backends[NAME]
 peer, prev = (rank + 1) % world, (rank - 1) % world
 
 if sys.argv[1:2] == ["late"]:
@@ -169,7 +169,7 @@ if world > 1:
 for rnd in range(10):
     early = value(rank, 6, torch.float64, salt=rnd)
     ordered.late = time.monotonic() + 0.05 if rank % 2 else 0  # queued on odd ranks only
-    pending = ordered.all_reduce(mcrdl.api._rt().world.handles[NAME], early, mcrdl.ReduceOp.SUM)
+    pending = ordered.all_reduce(mcrdl.api.current_runtime().world.handles[NAME], early, mcrdl.ReduceOp.SUM)
     fast = value(rank, 6, torch.float32, salt=rnd)
     mcrdl.all_reduce(fast, backend=NAME)
     while not pending.test():

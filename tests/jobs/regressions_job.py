@@ -89,7 +89,7 @@ def callbacks():
         box["e"] = mcrdl.all_reduce(c, backend="mpi", async_op=True)
         return f.value()
     mcrdl.all_reduce(a, backend="gloo", async_op=True).get_future().then(cb).wait()
-    engine = mcrdl.api._rt().engine
+    engine = mcrdl.api.current_runtime().engine
     check(box["e"]._done or box["e"] in engine.outstanding, "work from a callback is tracked")
     box["e"].wait()
     check(torch.equal(c, torch.full((4,), float(world))), c)
@@ -292,7 +292,7 @@ def released():
         for backend in mcrdl.live_backends():
             mcrdl.all_reduce(torch.ones(4), group=g, backend=backend)
             mcrdl.broadcast(torch.ones(4), 0, group=g, backend=backend)
-    held = [mcrdl.api._rt().world, world_group]  # as ProcessGroupMCRDL holds its group
+    held = [mcrdl.api.current_runtime().world, world_group]  # as ProcessGroupMCRDL holds its group
     refs = {f"{g.name}/{name}": weakref.ref(g.handles[name])
             for g in held for name in g.handles if name != "mpi"}  # (mpi4py Comms take no weakref)
     check(any("gloo" in k for k in refs), "no gloo handle to watch", refs)

@@ -53,7 +53,7 @@ class LateCopies(StagedOnCPU):
 
 mcrdl.init_process_group(timeout=60)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-staged = mcrdl.api._rt().backends[NAME]
+staged = mcrdl.api.current_runtime().backends[NAME]
 peer = (rank + 1) % world
 
 # MPI sees host buffers, never the caller's memory: the pending op holds copies
@@ -107,7 +107,7 @@ if world > 1:
 
 # a receive nobody sends to fails at the group's deadline; its tensor is left alone
 small = mcrdl.new_group(list(range(world)), timeout=2)
-engine = mcrdl.api._rt().engine
+engine = mcrdl.api.current_runtime().engine
 if world > 1 and rank == 1:
     t = torch.full((4,), 12345.5)
     try:
@@ -163,7 +163,7 @@ if world > 1:
         send.wait()
         check(torch.equal(got, value((rank - 1) % world, 5, torch.float32, salt=rnd)), "receive then send", rnd)
 # a copy in that fails is its own op's failure; the op queued behind it still runs
-be = mcrdl.api._rt().backends[LATE]
+be = mcrdl.api.current_runtime().backends[LATE]
 be.fail = True
 failing = be.send(late.handles[LATE], torch.ones(3), peer if world > 1 else 0, 9)
 behind = be.barrier(late.handles[LATE])
@@ -178,7 +178,7 @@ while not behind.test():
 # dropped from the queue (later messages would pair with the wrong receives):
 # it starts then, is cancelled in MPI, and is let go once MPI is done with it
 quick = mcrdl.new_group(list(range(world)), timeout=1)
-mcrdl.api._rt().backends[LATE].late = time.monotonic() + 1.5
+mcrdl.api.current_runtime().backends[LATE].late = time.monotonic() + 1.5
 try:
     mcrdl.send(torch.ones(2), peer, group=quick, tag=5, backend=LATE)
     check(False, "a send whose input reached the host late completed in time")

@@ -36,7 +36,7 @@ def listening(port):
 
 
 if rank == 0:
-    rt = mcrdl.api._rt()
+    rt = mcrdl.api.current_runtime()
     # under torchrun the store is torchrun's (MASTER_PORT), under MPI it is mcrdl's own
     port = rt.store.port if mpi_launched() else int(os.environ["MASTER_PORT"])
     addrs = listening(port)

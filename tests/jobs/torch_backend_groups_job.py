@@ -38,7 +38,7 @@ if world - 1 - rank != rank:
 # 2. the real default group
 dist.init_process_group("mcrdl", **tb.init_kwargs())
 check(dist.get_rank() == rank and dist.get_world_size() == world, "default group ranks")
-check(dist.group.WORLD.mcrdl_group is mcrdl.api._rt().world, "default group is mcrdl's world")
+check(dist.group.WORLD.mcrdl_group is mcrdl.api.current_runtime().world, "default group is mcrdl's world")
 live = mcrdl.live_backends()
 
 

@@ -203,7 +203,7 @@ def mcrdl_store():
     default process group on (DDP needs one to construct)."""
     from mcrdl import api
 
-    store = api._rt().store
+    store = api.current_runtime().store
     if store is None:
         raise RuntimeError("mcrdl has no store in this job (no torch backend was started)")
     return store

@@ -122,8 +122,8 @@ def _create_backend(dist_opts, backend_options=None) -> "ProcessGroupMCRDL":
                 f"mcrdl.init_process_group() on every rank first")
         api.init_process_group(store=dist_opts.store, rank=rank, world_size=size,
                                **({"timeout": timeout} if timeout else {}))
-        return ProcessGroupMCRDL(api._rt().world, rank, size, owns_mcrdl=True)
-    rt = api._rt()
+        return ProcessGroupMCRDL(api.current_runtime().world, rank, size, owns_mcrdl=True)
+    rt = api.current_runtime()
     if is_world:
         if (rank, size) != (rt.rank, rt.world_size):
             raise BackendError(
@@ -160,10 +160,9 @@ def init_kwargs(timeout=None) -> dict:
     after mcrdl is initialised: mcrdl's rank and size, and a store under
     mcrdl's own (so no MASTER_ADDR/MASTER_PORT are needed). Collective on
     every rank when mcrdl has no store yet."""
-    rt = api._rt()
-    if rt.store is None:  # e.g. only MPI was started: make the store now (collective)
-        rt.store = rt._make_store()
-    return {"store": dist.PrefixStore("torch/", rt.store), "rank": rt.rank,
+    rt = api.current_runtime()
+    store = rt.ensure_store()  # (made now if only MPI was started: collective)
+    return {"store": dist.PrefixStore("torch/", store), "rank": rt.rank,
             "world_size": rt.world_size,
             "timeout": timeout if timeout is not None else timedelta(seconds=rt.timeout)}
 
@@ -332,7 +331,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         default group ends mcrdl if it started it (a later init starts afresh, with
         the new store and timeout), else leaves the user's mcrdl running."""
         if self._owns_mcrdl:
-            if api.is_initialized() and api._rt() is self._g.owner:
+            if api.is_initialized() and api.current_runtime() is self._g.owner:
                 api.destroy_process_group()
         elif self._g is not self._g.owner.world:
             self._g.owner.destroy_group(self._g)

@@ -1,0 +1,156 @@
+"""The job's rendezvous store: which address rank 0 binds, and who serves it.
+
+Under an MPI launcher rank 0 serves a ``TCPStore`` on a free port of one address
+(:func:`store_address`) and tells everyone over MPI; under torchrun-style variables
+rank 0 serves it at ``MASTER_ADDR:MASTER_PORT`` unless torchrun's agent does. Only
+the chosen address is bound, never every interface.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Optional
+
+from . import settings
+
+
+def iface_address(name: str) -> Optional[str]:
+    """IPv4 address of network interface ``name`` (Linux), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("256s", name.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+    except (OSError, ImportError):
+        return None
+
+
+def is_loopback(addr: str) -> bool:
+    return addr.startswith("127.") or addr == "::1"
+
+
+def store_address(single_host: bool) -> str:
+    """The address rank 0's rendezvous store listens on (and the others connect to).
+
+    ``MCRDL_MASTER_ADDR`` if set; else loopback when every rank is on this host;
+    else the address of the first interface in ``GLOO_SOCKET_IFNAME`` (the network
+    the user chose for gloo); else this host's name's address unless it is a
+    loopback one (Debian maps the hostname to 127.0.1.1); else the source address of
+    the default route. Only that address is bound, never every interface."""
+    explicit = settings.get("MCRDL_MASTER_ADDR")
+    if explicit:
+        return explicit
+    if single_host:
+        return "127.0.0.1"
+    for name in filter(None, os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")):
+        addr = iface_address(name)
+        if addr:
+            return addr
+        raise RuntimeError(f"GLOO_SOCKET_IFNAME names {name!r}, which has no IPv4 address here; "
+                           "set MCRDL_MASTER_ADDR")
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not is_loopback(addr):
+            return addr
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
+            addr = s.getsockname()[0]
+        if not is_loopback(addr):
+            return addr
+    except OSError:
+        pass
+    raise RuntimeError("cannot tell which address the other hosts reach this one on: set "
+                       "MCRDL_MASTER_ADDR (or GLOO_SOCKET_IFNAME)")
+
+
+def serve_store(sock: socket.socket, world_size: int, timeout: timedelta, **kw):
+    """The rendezvous store's server on the listening ``sock``, which it takes over."""
+    import torch.distributed as dist
+
+    host, port = sock.getsockname()[:2]
+    try:
+        store = dist.TCPStore(host, port, world_size, True, timeout=timeout,
+                              master_listen_fd=sock.fileno(), **kw)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns (and closes) the socket now
+    return store
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket on ``host`` (an address or a name) only, on
+    ``port`` (0: a free one)."""
+    errors = []
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if port:  # a fixed port may still hold a previous job's connections in TIME_WAIT
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(f"{sockaddr[0]}: {exc.strerror or exc}")
+    raise RuntimeError(f"cannot listen on {host!r} ({'; '.join(errors) or 'no address'}): "
+                       "MCRDL_MASTER_ADDR must be an address of rank 0's host")
+
+
+def make_store(rank: int, world_size: int, local_size: int, timeout: float, mpi_comm):
+    """The job's store and the rank whose process serves it (None: torchrun's agent):
+    under MPI, rank 0 serves one on a free port of :func:`store_address` and tells
+    everyone over MPI; else rank 0 serves it at MASTER_ADDR:MASTER_PORT unless
+    torchrun's agent does."""
+    import torch.distributed as dist
+
+    td = timedelta(seconds=timeout)
+    store_host = None
+    if mpi_comm is not None:
+        # Rank 0 binds a free port on one address (loopback for a single-host job,
+        # see store_address) and tells everyone over MPI; an error there is
+        # raised on every rank instead of stranding the others in bcast.
+        msg = None
+        if rank == 0:
+            try:
+                single_host = local_size == world_size
+                sock = listen(store_address(single_host))
+                host = sock.getsockname()[0]  # the address bound, also when named
+                if is_loopback(host) and not single_host:
+                    sock.close()
+                    raise RuntimeError(f"the store address resolves to {host} on rank 0, which "
+                                       "other hosts cannot reach: set MCRDL_MASTER_ADDR to an "
+                                       "address of rank 0's host")
+                store = serve_store(sock, world_size, td, wait_for_workers=False)
+                msg = (host, store.port)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                msg = f"{type(exc).__name__}: {exc}"
+        msg = mpi_comm.bcast(msg, root=0)
+        if isinstance(msg, str):
+            raise RuntimeError(f"mcrdl: rank 0 could not start the rendezvous store: {msg}")
+        host, port = msg
+        if rank != 0:
+            store = dist.TCPStore(host, port, world_size, False, timeout=td)
+        mpi_comm.Barrier()  # everyone connected before rank 0 may leave
+        return store, 0
+    env = os.environ
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise RuntimeError("mcrdl: RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are "
+                           "not: launch with torchrun, `mcrdl run` or mpiexec")
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        store_host = 0  # known on every rank: Health names it when the store goes
+    if rank == 0 and store_host == 0:
+        # mcrdl serves the store: on MASTER_ADDR only (torch's TCPStore alone
+        # would listen on every interface)
+        store = serve_store(listen(host, port), world_size, td)
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout=td)
+    # torchrun's agent keeps its store across restarts: each attempt has its own keys
+    return dist.PrefixStore(f"mcrdl/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store), store_host
