@@ -34,6 +34,8 @@ no barrier in between; each call counts the duration of the rank that
 arrived last (the shortest over ranks: the others' extra time was waiting
 for it, as :func:`mcrdl.features.logger.arrival_times`), so avg = min = max
 (docs/bench.md, "Cold mode").
+
+:func:`run` is ``mcrdl bench`` in a job, as :func:`mcrdl.tune.run` is ``mcrdl tune``.
 """
 from __future__ import annotations
 
@@ -669,3 +671,61 @@ def print_tables(results: Sequence[Result], console=None) -> None:
             row += [f"{rs[b].max_us / rs[raw].max_us:.2f}" for b, raw in raw_pairs]
             table.add_row(*row)
         console.print(table)
+
+
+def run(*, variants: Optional[Sequence[str]] = None, device: Optional[str] = None,
+        ops: Optional[Sequence[str]] = None, sizes: Optional[Sequence[int]] = None, quick: bool = False,
+        max_bytes: Optional[int] = None, step: int = 1, iters: Optional[int] = None,
+        large_iters: Optional[int] = None, warmup: int = 3, rounds: Optional[int] = None, cold: bool = False,
+        check: bool = False, table: Optional[str] = None, json_path: Optional[str] = None,
+        csv_path: Optional[str] = None, plot: Optional[str] = None, timeout: float = 300) -> list[Result]:
+    """``mcrdl bench`` in this job: sweep ``variants`` (default: every live backend,
+    ``mcrdl`` and the raw libraries) over ``ops`` and ``sizes``; rank 0 prints the
+    tables and writes the files asked for. Starts and ends mcrdl itself (``table``:
+    the tuning table of the ``mcrdl`` variant); every rank calls it. Returns the
+    results whose check failed (``check``). A ValueError names a bad argument."""
+    api.init_process_group(tuning_table=table, timeout=timeout)
+    try:
+        rank, world = api.get_rank(), api.get_world_size()
+        device = device or default_device()
+        live = live_for(device)
+        raw = [f"raw-{b}" for b in ("mpi", "gloo") if b in live] if device == "cpu" else []
+        variants = list(variants or live + ["mcrdl"] + raw)
+        unknown = [v for v in variants if v not in live + ["mcrdl"] + raw]
+        if unknown:
+            raise ValueError(f"unknown or not live variants {unknown} for {device} tensors (live backends: "
+                             f"{', '.join(live)}; raw-mpi and raw-gloo time CPU tensors only)")
+        ops = ops_for(ops, world)
+        sizes = sweep_sizes(sizes, quick, [4, 1024, 65536, 1 << 20], max_bytes or 16 << 20, step)
+        iters = iters or (20 if quick else 100)
+        large = large_iters or (5 if quick else 10)
+        rounds = rounds or (2 if quick else 5)
+        progress, task, advance = progress_bar(len(ops) * len(sizes), rank == 0)
+        with progress:
+            b = Bench(variants, iters, large, warmup, rounds, check, advance, cold, device)
+            try:
+                results = b.sweep(ops, sizes)
+            finally:
+                b.close()
+            progress.update(task, advance=1, description="done")
+        meta = metadata({"ops": ops, "sizes": sizes, "variants": variants, "iters": iters,
+                         "large_iters": large, "rounds": rounds, "warmup": warmup}, b.mode, device)
+        failed = [r for r in results if r.check == "FAIL"]
+        if rank == 0:
+            print_tables(results)
+            summary = selection_summary(results)
+            if summary:
+                print(summary)
+            if json_path:
+                write_json(json_path, results, meta)
+            if csv_path:
+                write_csv(csv_path, results)
+            if plot:
+                from .plots import plot_ops
+                print("plots:", ", ".join(plot_ops(results, plot, title=f"({world} ranks)")))
+            if failed:
+                print(f"CHECK FAILED: {len(failed)} results: " + ", ".join(
+                    f"{r.op} {r.bytes} B on {r.variant}" for r in failed[:10]))
+        return failed
+    finally:
+        api.destroy_process_group()

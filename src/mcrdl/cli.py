@@ -106,65 +106,18 @@ def _relaunch(args, argv: Sequence[str]) -> Optional[int]:
                                                bind=args.bind))
 
 
-def _init_for_tools(args):
-    import mcrdl
-
-    mcrdl.init_process_group(tuning_table=getattr(args, "table", None), timeout=args.timeout)
-    return mcrdl
-
-
 def _cmd_bench(args, argv) -> int:
     rc = _relaunch(args, argv)
     if rc is not None:
         return rc
     from . import bench
 
-    mcrdl = _init_for_tools(args)
-    try:
-        rank = mcrdl.get_rank()
-        device = args.device or bench.default_device()
-        live = bench.live_for(device)
-        raw = [f"raw-{b}" for b in ("mpi", "gloo") if b in live] if device == "cpu" else []
-        variants = args.variants.split(",") if args.variants else live + ["mcrdl"] + raw
-        unknown = [v for v in variants if v not in live + ["mcrdl"] + raw]
-        if unknown:
-            raise ValueError(f"unknown or not live variants {unknown} for {device} tensors (live backends: "
-                             f"{', '.join(live)}; raw-mpi and raw-gloo time CPU tensors only)")
-        ops = bench.ops_for(args.ops.split(",") if args.ops else None, mcrdl.get_world_size())
-        sizes = bench.sweep_sizes(args.sizes, args.quick, [4, 1024, 65536, 1 << 20], args.max_bytes or 16 << 20,
-                                  args.step)
-        iters = args.iters or (20 if args.quick else 100)
-        large = args.large_iters or (5 if args.quick else 10)
-        rounds = args.rounds or (2 if args.quick else 5)
-        progress, task, step = bench.progress_bar(len(ops) * len(sizes), rank == 0)
-        with progress:
-            b = bench.Bench(variants, iters, large, args.warmup, rounds, args.check, step, args.cold, device)
-            try:
-                results = b.sweep(ops, sizes)
-            finally:
-                b.close()
-            progress.update(task, advance=1, description="done")
-        meta = bench.metadata({"ops": ops, "sizes": sizes, "variants": variants, "iters": iters,
-                               "large_iters": large, "rounds": rounds, "warmup": args.warmup}, b.mode, device)
-        if rank == 0:
-            bench.print_tables(results)
-            summary = bench.selection_summary(results)
-            if summary:
-                print(summary)
-            if args.json:
-                bench.write_json(args.json, results, meta)
-            if args.csv:
-                bench.write_csv(args.csv, results)
-            if args.plot:
-                from .plots import plot_ops
-                print("plots:", ", ".join(plot_ops(results, args.plot, title=f"({mcrdl.get_world_size()} ranks)")))
-        failed = [r for r in results if r.check == "FAIL"]
-        if failed and rank == 0:
-            print(f"CHECK FAILED: {len(failed)} results: " + ", ".join(
-                f"{r.op} {r.bytes} B on {r.variant}" for r in failed[:10]))
-        return 1 if failed else 0
-    finally:
-        mcrdl.destroy_process_group()
+    failed = bench.run(variants=args.variants.split(",") if args.variants else None, device=args.device,
+                       ops=args.ops.split(",") if args.ops else None, sizes=args.sizes, quick=args.quick,
+                       max_bytes=args.max_bytes, step=args.step, iters=args.iters, large_iters=args.large_iters,
+                       warmup=args.warmup, rounds=args.rounds, cold=args.cold, check=args.check, table=args.table,
+                       json_path=args.json, csv_path=args.csv, plot=args.plot, timeout=args.timeout)
+    return 1 if failed else 0
 
 
 def _cmd_tune(args, argv) -> int:
