@@ -80,17 +80,11 @@ SETTINGS = {s.name: s for s in (
 )}
 
 
-def raw(name: str) -> Optional[str]:
-    """The variable's text as set (None when unset or empty)."""
-    _setting(name)
-    return os.environ.get(name) or None
-
-
 def get(name: str) -> Any:
     """The variable's value, parsed by its kind; its default when unset or empty. A bad
     value raises ValueError: ``NAME: expected <what it accepts>, got '<value>'``."""
-    setting, text = _setting(name), raw(name)
-    if text is None:
+    setting, text = _setting(name), os.environ.get(name)
+    if not text:
         return setting.default
     value = _parse(setting.kind, text)
     if value is None or (setting.kind in ("number", "integer") and value < setting.minimum) \

@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import mcrdl
-from verdicts import check, check_equal
+from verdicts import check, check_equal, max_diff
 
 # torch 2.13 renamed these (the old names warn); same signatures
 all_gather_single = getattr(fc, "all_gather_single", fc.all_gather_tensor)
@@ -65,10 +65,6 @@ def fail(name, exc):
     text = " | ".join(str(exc).strip().splitlines()[:3])
     check(name, False, "no exception", f"{type(exc).__name__}: {text}")
     traceback.print_exc()
-
-
-def max_diff(a, b):
-    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
 def mcrdl_ops():

@@ -15,6 +15,7 @@ import traceback
 
 import torch
 
+_DIRECTORY = os.environ.get("TEST_VERDICTS")  # made and read back by tests/conftest.py
 _RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 _rank = None
 
@@ -31,22 +32,17 @@ def rank():
     return int(next((os.environ[v] for v in _RANK_VARIABLES if v in os.environ), 0))
 
 
-def _file(path=os.environ.get("TEST_VERDICTS")):
-    return os.path.join(path, f"rank{rank()}.jsonl") if path else None
-
-
 def record(name, ok, expected=None, got=None, where=None):
     """File one verdict; ``expected``/``got`` are kept as their repr (only on failure)."""
     entry = {"name": name, "rank": rank(), "ok": bool(ok)}
     if not ok:
         entry.update(expected=None if expected is None else _short(expected),
                      got=None if got is None else _short(got), where=where or _caller())
-    path = _file()
-    if path is None:
+    if _DIRECTORY is None:
         tail = "ok" if ok else f"FAIL expected={entry['expected']} got={entry['got']} at {entry['where']}"
         print(f"CHECK {name} rank={entry['rank']} {tail}", flush=True)
         return bool(ok)
-    with open(path, "a") as f:
+    with open(os.path.join(_DIRECTORY, f"rank{entry['rank']}.jsonl"), "a") as f:
         f.write(json.dumps(entry) + "\n")
     return bool(ok)
 
@@ -62,11 +58,12 @@ def check_equal(name, got, want):
     bad = [i for i, (g, w) in enumerate(zip(got, want)) if g.shape != w.shape or not torch.equal(g, w)]
     return record(name, len(got) == len(want) and not bad, "torch.equal for all",
                   f"{len(got)} vs {len(want)} tensors; differ at {bad}: " + ", ".join(
-                      f"#{i} {tuple(got[i].shape)} vs {tuple(want[i].shape)} max|d|={_max_diff(got[i], want[i])}"
+                      f"#{i} {tuple(got[i].shape)} vs {tuple(want[i].shape)} max|d|={max_diff(got[i], want[i])}"
                       for i in bad), _caller())
 
 
-def _max_diff(a, b):
+def max_diff(a, b):
+    """Largest absolute difference of two tensors ("n/a" when their shapes differ)."""
     if a.shape != b.shape:
         return "n/a"
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
