@@ -44,11 +44,11 @@ class JobOutput(str):
             pytest.fail("\n".join(bad) + "\n--- job output (tail) ---\n" + self[-4000:], pytrace=False)
 
 
-def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0):
+def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0, launcher="mpiexec"):
     """Run tests/jobs/<script> on ``nprocs`` ranks; return its :class:`JobOutput`.
     A failed check, or an exit status other than ``expect_rc``, fails the test
     naming the checks and ranks that failed."""
-    out, rc = run_job_rc(nprocs, script, *args, timeout=timeout, env=env)
+    out, rc = run_job_rc(nprocs, script, *args, timeout=timeout, env=env, launcher=launcher)
     failed = out.failures(lambda name: expect_rc == 0 or name != "uncaught")
     if expect_rc is not None and (rc != expect_rc or failed):
         pytest.fail(f"{script} on {nprocs} ranks exited {rc}" + "".join(f"\n{f}" for f in failed)
