@@ -68,6 +68,25 @@ def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec")
     return out, proc.returncode
 
 
+def run_or_dump(cmd, timeout, env=None, cwd=None):
+    """``subprocess.run(cmd)`` in a session of its own: ``(exit status, stdout, stderr)``.
+    Past ``timeout`` every process of the session gets SIGABRT, so Python's fault handler
+    prints where each thread waited, and the test fails with that output's tail."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            env={**(env or os.environ), "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["pkill", "-ABRT", "-s", str(proc.pid)])
+        try:
+            out, err = proc.communicate(timeout=10)
+        finally:
+            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])
+        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... still ran after {timeout} s; where each process "
+                    f"waited:\n{(out + err)[-12000:]}", pytrace=False)
+    return proc.returncode, out, err
+
+
 def read_verdicts(directory):
     """Every verdict filed under ``directory`` (tests/jobs/verdicts.py), rank by rank."""
     return [json.loads(line) for path in sorted(Path(directory).glob("rank*.jsonl"))

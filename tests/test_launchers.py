@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS
+from conftest import JOBS, run_or_dump
 from mcrdl import pmi
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -85,11 +85,9 @@ def test_elastic_restart_resumes_from_the_checkpoint_to_the_same_losses(tmp_path
     def losses(backend, ckpt, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                "--max-restarts=1", script, "--backend", backend, "--ckpt", str(ckpt), *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "MCRDL_COMMS_LOG": "1"},
-                              timeout=300)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-4000:]
-        return {int(s): v for s, v in re.findall(r"^LOSS (\d+) (\S+)$", proc.stdout, re.M)}, out
+        rc, stdout, stderr = run_or_dump(cmd, 240, env={**ENV, "MCRDL_COMMS_LOG": "1"})
+        assert rc == 0, (stdout + stderr)[-4000:]
+        return {int(s): v for s, v in re.findall(r"^LOSS (\d+) (\S+)$", stdout, re.M)}, stdout + stderr
 
     reference, _ = losses("gloo", tmp_path / "gloo")
     resumed, out = losses("mcrdl", tmp_path / "mcrdl", "--kill-at", "3")
