@@ -465,12 +465,12 @@ def test_tune_rejects_variants_that_are_not_backends(tmp_path, backends):
     assert not out.exists()
 
 
-# -- benchmarks/layers.py --------------------------------------------------------------------
+# -- benchmarks/percall/layers.py --------------------------------------------------------------------
 def test_layers_benchmark_gives_equal_results_and_records_every_cell(tmp_path):
     """Each layer's outputs equal its reference's (mcrdl on gloo vs raw gloo,
     torch.distributed on "mcrdl" vs the API) before anything is timed."""
     out = tmp_path / "layers.json"
-    ok(mcrdl_cli("run", "-n", "2", ROOT / "benchmarks" / "layers.py", "--sizes", "4,1K", "--rounds", "1",
+    ok(mcrdl_cli("run", "-n", "2", ROOT / "benchmarks" / "percall" / "layers.py", "--sizes", "4,1K", "--rounds", "1",
                  "--iters", "10", "--json", out, timeout=300))
     doc = json.loads(out.read_text())
     cells = {(r["layer"], r["op"], r["bytes"]) for r in doc["results"]}
@@ -480,10 +480,10 @@ def test_layers_benchmark_gives_equal_results_and_records_every_cell(tmp_path):
     assert all(r["torch_alone_us"] > 0 for r in doc["results"] if r["layer"] == "torch")
 
 
-# -- benchmarks/blocking_floor.py ------------------------------------------------------------
+# -- benchmarks/percall/blocking_floor.py ------------------------------------------------------------
 def test_blocking_floor_benchmark_builds_and_times_every_op_in_every_form(tmp_path):
     out = tmp_path / "floor.json"
-    ok(mcrdl_cli("run", "-n", "2", ROOT / "benchmarks" / "blocking_floor.py", "--sizes", "4,1K", "--rounds", "2",
+    ok(mcrdl_cli("run", "-n", "2", ROOT / "benchmarks" / "percall" / "blocking_floor.py", "--sizes", "4,1K", "--rounds", "2",
                  "--json", out, timeout=300))
     doc = json.loads(out.read_text())
     ops = ["all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "all_to_all", "reduce_scatter"]
@@ -492,13 +492,13 @@ def test_blocking_floor_benchmark_builds_and_times_every_op_in_every_form(tmp_pa
                for r in doc["results"] for f in ("test", "wait"))
 
 
-# -- benchmarks/autotune.py ------------------------------------------------------------------
+# -- benchmarks/tuning/autotune.py ------------------------------------------------------------------
 def test_autotune_benchmark_records_both_conditions(tmp_path):
     """Idle and one-core-busy demos, every workload; every autotuned run
     finished exploring within the warm-up and says what it learned (trial
     blocks of 10 ms: a trial is 8 blocks, 80 ms of calls, which 10 steps of
     dlrm did not always span in CI; 30 steps leave room)."""
-    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "autotune.py", "--rounds", "1", "--steps", "1",
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "tuning" / "autotune.py", "--rounds", "1", "--steps", "1",
                            "--warmup", "30", "--out", tmp_path / "autotune", "--runs", tmp_path / "runs"],
                           capture_output=True, text=True, timeout=900,
                           env={**os.environ, "MCRDL_AUTOTUNE_BLOCK_MS": "10"})
@@ -512,11 +512,11 @@ def test_autotune_benchmark_records_both_conditions(tmp_path):
             assert all(b["winner"] in ("mpi", "gloo") for b in r["buckets_learned"] if b["op"] != "barrier"), r
 
 
-# -- benchmarks/autotune_trial.py ------------------------------------------------------------
+# -- benchmarks/tuning/autotune_trial.py ------------------------------------------------------------
 def test_autotune_trial_benchmark_records_both_settings(tmp_path):
     """megatron-sp under load, trial off and on: every round's ratio to
     baseline-mpi, what gloo won and the trials, per setting."""
-    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "autotune_trial.py", "--runs", "1", "--rounds", "1",
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "tuning" / "autotune_trial.py", "--runs", "1", "--rounds", "1",
                            "--steps", "1", "--warmup", "3", "--out", tmp_path / "trial", "--tmp", tmp_path / "runs"],
                           capture_output=True, text=True, timeout=600)
     ok(proc)
@@ -527,12 +527,12 @@ def test_autotune_trial_benchmark_records_both_settings(tmp_path):
         assert name == "trial on" or rounds[0]["trials"] == [], rounds  # off: no trial ever
 
 
-# -- benchmarks/drift.py ---------------------------------------------------------------------
+# -- benchmarks/tuning/drift.py ---------------------------------------------------------------------
 def test_drift_benchmark_records_every_job(tmp_path):
     """Idle and loaded jobs, drift check off and on: every job finishes with
     its step times, its winners, and (idle) its back-to-back call time."""
     out = tmp_path / "drift.json"
-    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "drift.py", "--rounds", "1", "--steps", "90",
+    proc = subprocess.run([sys.executable, ROOT / "benchmarks" / "tuning" / "drift.py", "--rounds", "1", "--steps", "90",
                            "--window", "8", "--calls", "200", "--out", out],
                           capture_output=True, text=True, timeout=600)
     ok(proc)

@@ -90,7 +90,7 @@ def run_example(nprocs, script, backend, *args, launcher="mpiexec", timeout=480,
     A gloo reference run that aborts at exit after its RESULT ("terminate called
     without an active exception": torch's gloo worker thread drops the last
     reference to an all_reduce that was still running when the interpreter
-    began finalizing, benchmarks/gloo_exit_abort.py) is run once more; any
+    began finalizing, benchmarks/faults/gloo_exit_abort.py) is run once more; any
     other failure, and any on mcrdl, fails."""
     cmd = launch_command(launcher, nprocs, script, [*args, "--backend", backend], timeout)
     what = " ".join([script, *args, "--backend", backend, "under", launcher])
@@ -198,13 +198,13 @@ def test_lightning_launcher_falls_back_loudly(request):
     pytest.param("deepspeed_zero3", "torchrun", "kill", "15", id="deepspeed_zero3-torchrun-kill"),
 ])
 def test_a_rank_lost_mid_training_ends_the_job(request, example, launcher, fault, frozen_s):
-    """benchmarks/faults_frameworks.py's case, 2 ranks: rank 1 of a training job
+    """benchmarks/faults/faults_frameworks.py's case, 2 ranks: rank 1 of a training job
     SIGKILLed or SIGSTOPped 6 s after init. A survivor names it (frozen: from
     liveness, MCRDL_FROZEN_S=3 here, not the group timeout), the job ends
     non-zero and no process of it is left. (Every case, 2 and 4 ranks, both
     launchers: docs/results/faults_frameworks.md.)"""
     needs(request, example)
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks" / "faults"))
     from faults_frameworks import case
     row = case(example, launcher, fault, 2, delay=6, limit=240,
                env={**os.environ, **ENV, "MCRDL_FROZEN_S": frozen_s})

@@ -1,6 +1,6 @@
 """In-situ autotune against the offline-tuned table and the single backends.
 
-    python benchmarks/autotune.py [--rounds 5] [--steps 10] [--warmup 12] [--out OUT] [--runs RUNS]
+    python benchmarks/tuning/autotune.py [--rounds 5] [--steps 10] [--warmup 12] [--out OUT] [--runs RUNS]
 
 Runs ``mcrdl demo`` (every workload, 2 ranks) twice, modes interleaved per
 round: on the machine as it is, with ``tuned`` using the quick tune made
@@ -24,9 +24,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from _record import busy, environment, trials, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import busy, environment, trials, write_json  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = "baseline-gloo,baseline-mpi,tuned,autotuned"
 
 
@@ -89,7 +90,7 @@ def main() -> int:
         demo(args, loaded, table=os.path.join(idle, "table.json"))
     finally:
         hog.terminate()
-    doc = {"command": " ".join(["python", "benchmarks/autotune.py", *sys.argv[1:]]), "modes": MODES,
+    doc = {"command": " ".join(["python", "benchmarks/tuning/autotune.py", *sys.argv[1:]]), "modes": MODES,
            "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "environment": environment(),
            "conditions": {"idle": summarise(idle), "one core busy": summarise(loaded)}}
     t = Table(title=f"autotuned vs tuned (idle machine's table) vs best single backend: 2 ranks, "

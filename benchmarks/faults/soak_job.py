@@ -1,4 +1,4 @@
-"""One short mixed-backend job ending one way (benchmarks/soak.py).
+"""One short mixed-backend job ending one way (benchmarks/faults/soak.py).
 
 Usage: soak_job.py ROUTE ENDING OUTSTANDING MARKDIR
 ROUTE: api (mcrdl.init_process_group) | torch (torch.distributed's

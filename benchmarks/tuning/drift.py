@@ -1,6 +1,6 @@
 """Autotune's drift check: what it costs, and what it does when load appears.
 
-    python benchmarks/drift.py [--rounds 3] [--steps 600] [--window 50] [--out docs/results/drift.json]
+    python benchmarks/tuning/drift.py [--rounds 3] [--steps 600] [--window 50] [--out docs/results/drift.json]
 
 Runs 2-rank jobs of a small training step (matmuls, then a blocking 64 KiB
 gradient all-reduce and a 64 B all-reduce) under in-situ autotune, with the
@@ -31,7 +31,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from _record import busy, environment, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import busy, environment, write_json  # noqa: E402
 
 
 def job(args) -> None:

@@ -3,7 +3,7 @@ on B tensors, then waited for, through mcrdl (``async_op=True``, MPI forced)
 against mpi4py (``Iallreduce`` on numpy views of the same-sized tensors, then
 ``Waitall``), in one job, interleaved.
 
-    mcrdl run -n 2 benchmarks/async_inflight.py [--sizes 4,16K,256K] [--batches 1,4,16]
+    mcrdl run -n 2 benchmarks/percall/async_inflight.py [--sizes 4,16K,256K] [--batches 1,4,16]
                                                 [--futures] [--rounds R] [--json out.json]
 
 A figure is µs per op (elapsed for many batches / ops), the slowest rank's;
@@ -17,6 +17,7 @@ waits for its buckets (completed by mcrdl's futures thread).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -26,8 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 import mcrdl
-from _record import environment, interleaved, write_json
-from hotpath import label, parse_size
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import environment, interleaved, write_json  # noqa: E402
+from hotpath import label, parse_size  # noqa: E402
 
 
 def main() -> int:

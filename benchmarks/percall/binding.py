@@ -1,4 +1,4 @@
-"""Ranks pinned to cores or not: `python benchmarks/binding.py [--repeats 3]`.
+"""Ranks pinned to cores or not: `python benchmarks/percall/binding.py [--repeats 3]`.
 
 Launches the same small `mcrdl bench -n 2` sweep (p2p, all_reduce and
 all_to_all at 4 B, 4 KiB and 64 KiB; every variant; 9 rounds) alternately with
@@ -19,7 +19,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
 from _record import environment, write_json  # noqa: E402
 
 BINDINGS = ("none", "core")

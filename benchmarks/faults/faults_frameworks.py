@@ -1,5 +1,5 @@
 """A rank killed or frozen mid-training in real frameworks on "mcrdl":
-`python benchmarks/faults_frameworks.py`.
+`python benchmarks/faults/faults_frameworks.py`.
 
 Each case runs an example of examples/frameworks/ (FSDP2, DeepSpeed ZeRO-3),
 unchanged, through tests/jobs/fault_inject.py under `mcrdl run` (mpiexec) or
@@ -15,7 +15,6 @@ job's processes were left afterwards (then killed). Writes
 docs/results/faults_frameworks.md and a JSON file beside it.
 """
 import argparse
-import json
 import os
 import re
 import shlex
@@ -28,10 +27,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
 from _record import environment, write_json  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = {"fsdp2": ("fsdp2.py",), "deepspeed_zero3": ("deepspeed_zero.py", "--stage", "3")}
 INJECT = os.path.join(ROOT, "tests", "jobs", "fault_inject.py")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}
@@ -117,7 +116,7 @@ def write_page(doc: dict, out: str) -> None:
     args, env = doc["args"], doc["environment"]
     frozen = args["frozen_s"] if args["frozen_s"] is not None else "15 (default)"
     md = ["# A rank killed or frozen mid-training (FSDP2, DeepSpeed ZeRO-3)", "",
-          "```bash", "python benchmarks/faults_frameworks.py", "```", "",
+          "```bash", "python benchmarks/faults/faults_frameworks.py", "```", "",
           "Each example runs unchanged on \"mcrdl\" under `tests/jobs/fault_inject.py`, which "
           "SIGKILLs or SIGSTOPs rank 1 a fixed time after init (see the benchmark's docstring).", "",
           f"- {env['date']}, {env['cpus']} CPUs, load average before {doc['load_before'][0]:.2f}, "

@@ -2,7 +2,7 @@
 mcrdl's API on gloo against raw torch gloo, and torch.distributed on the
 "mcrdl" backend (ProcessGroupMCRDL) against mcrdl's own API.
 
-    mcrdl run -n 2 benchmarks/layers.py [--layers gloo,torch] [--sizes 4,1K,16K,256K] [--rounds R] [--iters N] [--json out.json]
+    mcrdl run -n 2 benchmarks/percall/layers.py [--layers gloo,torch] [--sizes 4,1K,16K,256K] [--rounds R] [--iters N] [--json out.json]
 
 The job starts through ``torch.distributed.init_process_group("mcrdl")``.
 "gloo": ``mcrdl.<op>(..., backend="gloo")`` against the same op on a
@@ -21,6 +21,7 @@ which no backend can remove.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from datetime import timedelta
@@ -32,8 +33,10 @@ from rich.progress import Progress
 from rich.table import Table
 
 import mcrdl
-from _record import environment, interleaved, write_json
-from hotpath import label, parse_size
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import environment, interleaved, write_json  # noqa: E402
+from hotpath import label, parse_size  # noqa: E402
 
 OPS = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
        "send/recv"]

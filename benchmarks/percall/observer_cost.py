@@ -1,7 +1,7 @@
 """What watching a job costs: mcrdl's communication logger and flight recorder
 per call and per training step, beside DeepSpeed's communication logger.
 
-    mcrdl run -n 2 benchmarks/observer_cost.py --blocks 20 --record docs/results/observer_cost
+    mcrdl run -n 2 benchmarks/percall/observer_cost.py --blocks 20 --record docs/results/observer_cost
 
 Per step, first (while the logger holds few records): DeepSpeed MoE
 (examples/frameworks/deepspeed_moe.py's model, top-2) on the "mcrdl" backend,
@@ -35,8 +35,8 @@ from mcrdl.features.flight_recorder import FlightRecorder
 from mcrdl.features.logger import CommsLogger
 from mcrdl.features.profiler import observers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "frameworks"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "frameworks"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
 from deepspeed_moe import HIDDEN, MICRO_BATCH, TOKENS, Net  # noqa: E402
 from _record import environment, write_json  # noqa: E402
 
@@ -122,7 +122,7 @@ if rank == 0:
     env = environment(deepspeed=deepspeed.__version__)
     base_call = statistics.median(per_call["nothing"])
     base_step = statistics.median(per_step["nothing"])
-    doc = {"command": "mcrdl run -n 2 benchmarks/observer_cost.py " + " ".join(sys.argv[1:]),
+    doc = {"command": "mcrdl run -n 2 benchmarks/percall/observer_cost.py " + " ".join(sys.argv[1:]),
            "environment": env, "world": world, "calls": args.calls, "call_rounds": args.call_rounds,
            "steps": args.steps, "blocks": args.blocks,
            "per_call_us": {m: {"median": statistics.median(v), "rounds": v} for m, v in per_call.items()},

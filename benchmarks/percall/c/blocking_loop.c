@@ -2,7 +2,7 @@
  * (what raw mpi4py and OSU time; form 0), as its nonblocking form completed by
  * an MPI_Test spin (what mcrdl's compiled path runs: src/mcrdl/backends/mpi_native.c;
  * form 1) and completed by MPI_Wait (form 2), with nothing else in the loop. Called through ctypes by
- * benchmarks/blocking_floor.py. Build: mpicc -O2 -shared -fPIC blocking_loop.c */
+ * benchmarks/percall/blocking_floor.py. Build: mpicc -O2 -shared -fPIC blocking_loop.c */
 #include <mpi.h>
 
 enum { ALLREDUCE, BCAST, REDUCE, ALLGATHER, GATHER, SCATTER, ALLTOALL, REDUCE_SCATTER };

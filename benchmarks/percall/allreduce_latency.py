@@ -1,7 +1,7 @@
 """All-reduce latency: mcrdl (mpi, gloo, default selection) against raw mpi4py and raw
 torch.distributed gloo, measured in one job, interleaved.
 
-    mcrdl run -n 2 benchmarks/allreduce_latency.py [--sizes 4,4194304] [--iters N]
+    mcrdl run -n 2 benchmarks/percall/allreduce_latency.py [--sizes 4,4194304] [--iters N]
                                                    [--rounds R] [--json out.json]
 
 Method (OSU-style): for every size, ``R`` rounds; each round runs every variant once,
@@ -9,7 +9,7 @@ round-robin (the starting variant rotates from round to round so no variant alwa
 follows the same one). A variant's turn is a warm-up loop, an MPI barrier, then a timed
 loop of ``N`` blocking SUM all-reduces of one float32 CPU tensor timed with
 ``time.perf_counter``; per-call latency = elapsed / N. The ``C MPI_Allreduce`` variant
-runs the same loop in C (benchmarks/c/allreduce_loop.c, built with the job's mpicc and
+runs the same loop in C (benchmarks/percall/c/allreduce_loop.c, built with the job's mpicc and
 called through ctypes): what OSU's C benchmark measures, in the same run. The per-round value is the max of
 that over ranks; the report is the median over rounds (min and max over rounds too).
 Every variant's result is checked once per size, with values whose sums are exact,
@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
-from _record import environment, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import environment, write_json  # noqa: E402
 
 DEFAULT_SIZES = [4, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 4 << 20]
 VARIANTS = ["mcrdl mpi", "mcrdl gloo", "mcrdl selected", "raw mpi4py", "raw torch.distributed gloo",
@@ -44,7 +45,7 @@ C_LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "c", "allreduc
 
 
 def build_c(src: str, workdir: str):
-    """A C file of benchmarks/c built with the job's own mpicc (the one beside
+    """A C file of benchmarks/percall/c built with the job's own mpicc (the one beside
     this Python, e.g. the mpich wheel's) and loaded (ctypes.CDLL)."""
     import ctypes
     import shutil
@@ -60,7 +61,7 @@ def build_c(src: str, workdir: str):
 
 
 def build_c_loop(workdir: str):
-    """benchmarks/c/allreduce_loop.c, built and loaded: the C baseline."""
+    """benchmarks/percall/c/allreduce_loop.c, built and loaded: the C baseline."""
     import ctypes
 
     fn = build_c(C_LOOP, workdir).allreduce_loop

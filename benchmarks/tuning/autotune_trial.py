@@ -1,6 +1,6 @@
 """Autotune's trial over blocks of calls, on and off, with one core kept busy.
 
-    python benchmarks/autotune_trial.py [--runs 6] [--rounds 4] [--steps 10] [--warmup 12] [--out OUT]
+    python benchmarks/tuning/autotune_trial.py [--runs 6] [--rounds 4] [--steps 10] [--warmup 12] [--out OUT]
 
 The case: megatron with sequence parallelism (all-gather and reduce-scatter of
 128 KiB), where per-call timing under load can pick gloo for a bucket and the
@@ -25,9 +25,10 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from _record import bucket_name, busy, environment, trials, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import bucket_name, busy, environment, trials, write_json  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SETTINGS = {"trial off": "0", "trial on": "100"}
 
 
@@ -105,7 +106,7 @@ def main() -> int:
                   str(s["rounds_with_gloo"]), "-" if not gloo else f"{s['gloo_rounds_median_vs_mpi']:.3f}",
                   str(s["trials"]), str(s["refused"]), str(s["still_exploring"]))
     console.print(t)
-    write_json(args.out + ".json", {"command": " ".join(["python", "benchmarks/autotune_trial.py", *sys.argv[1:]]),
+    write_json(args.out + ".json", {"command": " ".join(["python", "benchmarks/tuning/autotune_trial.py", *sys.argv[1:]]),
                                     "environment": environment(), "summary": summary, "rounds": results}, console)
     return 0
 

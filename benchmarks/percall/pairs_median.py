@@ -4,8 +4,8 @@ latency_vs_commit.sh keeps (KEEP='│'): one markdown row per op, each cell
 barrier between), per size; then how many cells fell. ``--spread`` adds this
 tree's lowest and highest ratio over the pairs to each cell.
 
-    BENCH=hotpath.py KEEP='│' bash benchmarks/latency_vs_commit.sh REV 5 4,1K > out.txt
-    python benchmarks/pairs_median.py out.txt [--spread]
+    BENCH=percall/hotpath.py KEEP='│' bash benchmarks/percall/latency_vs_commit.sh REV 5 4,1K > out.txt
+    python benchmarks/percall/pairs_median.py out.txt [--spread]
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ cells change backend between settings. Reads docs/results/multihost-*.json."""
 import json
 from pathlib import Path
 
-RES = Path(__file__).resolve().parent.parent / "docs" / "results"  # the recorded sweeps
+RES = Path(__file__).resolve().parents[2] / "docs" / "results"  # the recorded sweeps
 SETTINGS = ("1host", "2hosts", "2hosts-1gbit")
 
 

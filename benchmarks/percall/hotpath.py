@@ -1,7 +1,7 @@
 """Per-call cost of mcrdl's hot path: every op on MPI against the same call
 made directly with mpi4py, in one job, interleaved.
 
-    mcrdl run -n 2 benchmarks/hotpath.py [--sizes 4,1K,4K,16K,256K] [--ops all_reduce,...]
+    mcrdl run -n 2 benchmarks/percall/hotpath.py [--sizes 4,1K,4K,16K,256K] [--ops all_reduce,...]
                                          [--rounds R] [--json out.json]
 
 For every op and size, ``R`` rounds; each round times mcrdl (``backend="mpi"``)
@@ -19,6 +19,7 @@ way = round trip / 2); other ranks idle.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -29,7 +30,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 import mcrdl
-from _record import environment, write_json
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import environment, write_json  # noqa: E402
 
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
        "reduce_scatter", "gather", "scatter", "all_to_all_single", "all_to_all_single uneven", "send/recv"]

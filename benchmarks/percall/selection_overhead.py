@@ -1,4 +1,4 @@
-"""Per-call cost of backend selection: `mcrdl run -n 2 benchmarks/selection_overhead.py`.
+"""Per-call cost of backend selection: `mcrdl run -n 2 benchmarks/percall/selection_overhead.py`.
 
 Times a 4-byte all_reduce (the size where overhead shows) with the backend
 forced (`backend="mpi"`) against the same call selected by the default, a

@@ -1,6 +1,6 @@
 """Tensor fusion: all-reduce of many mixed-size tensors, fused vs one call each.
 
-    mcrdl run -n 2 benchmarks/fusion.py [--tensors 1000] [--min-bytes 1K] [--max-bytes 1M]
+    mcrdl run -n 2 benchmarks/features/fusion.py [--tensors 1000] [--min-bytes 1K] [--max-bytes 1M]
                                         [--buckets 256K,4M,25M] [--rounds 5] [--iters 2]
                                         [--seed 0] [--pool-bytes 512M] [--async-baseline]
                                         [--json out.json]
@@ -36,7 +36,8 @@ import time
 import torch
 
 import mcrdl
-from _record import environment, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import environment, write_json  # noqa: E402
 from mcrdl.features.fusion import all_reduce_coalesced, fusion_buffer_pool, parse_bytes, plan_buckets
 
 

@@ -2,7 +2,7 @@
 and MoE workloads on 2 local ranks, several runs each
 (docs/results/model_validation.md):
 
-    .venv/bin/python benchmarks/model_validation.py [--runs 8] [--steps 10] [--warmup 2] [--calibrate 10] [--bench FILE ...]
+    .venv/bin/python benchmarks/model/model_validation.py [--runs 8] [--steps 10] [--warmup 2] [--calibrate 10] [--bench FILE ...]
 
 The model is calibrated from bench sweeps, or from the job's own calls
 (issue 16, item 6), never from the steps it is compared with. Unless ``--bench`` names recorded ones, a cold sweep (``mcrdl bench
@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.join(ROOT, ".venv", "bin")
 RES = os.path.join(ROOT, "docs", "results")
 TABLE = "docs/results/tuning-2ranks.json"
@@ -80,7 +80,7 @@ def main() -> int:
     a = p.parse_args()
     if a.runs < 1:
         p.error("need --runs >= 1")
-    cmd = (f"python benchmarks/model_validation.py --runs {a.runs} --steps {a.steps} --warmup {a.warmup}"
+    cmd = (f"python benchmarks/model/model_validation.py --runs {a.runs} --steps {a.steps} --warmup {a.warmup}"
            f" --calibrate {a.calibrate}"
            + "".join(f" --bench {b}" for b in a.bench or ()))
     sweeps, sweep_others = list(a.bench or []), []

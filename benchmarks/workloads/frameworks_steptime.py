@@ -1,4 +1,4 @@
-"""Step time of real frameworks on "mcrdl" vs gloo: `python benchmarks/frameworks_steptime.py`.
+"""Step time of real frameworks on "mcrdl" vs gloo: `python benchmarks/workloads/frameworks_steptime.py`.
 
 Runs each example of examples/frameworks/ under each launcher (``--launchers``:
 `mcrdl run -n 2`, i.e. mpiexec, and `mcrdl run --launcher torchrun -n 2`, where
@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
 from _record import environment, write_json  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = {
     "deepspeed_moe_top1": ("deepspeed_moe.py", "--k", "1"),
     "deepspeed_moe_top2": ("deepspeed_moe.py", "--k", "2"),

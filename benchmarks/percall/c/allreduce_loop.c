@@ -1,4 +1,4 @@
-/* The OSU-style timed loop of benchmarks/allreduce_latency.py, in C: the
+/* The OSU-style timed loop of benchmarks/percall/allreduce_latency.py, in C: the
  * "C MPI_Allreduce" baseline, called through ctypes inside the same job so it
  * is interleaved with the Python variants (same machine phase).
  * Build: mpicc -O2 -shared -fPIC allreduce_loop.c -o allreduce_loop.so */

@@ -3,8 +3,8 @@
 # checked out in a temporary worktree, run with this tree's .venv and this
 # tree's benchmark script): tells a slow phase of the machine from a change in
 # the code.
-#   bash benchmarks/latency_vs_commit.sh REV [PAIRS=3] [SIZES=4,1K]
-#   BENCH=hotpath.py NP=4 bash benchmarks/latency_vs_commit.sh REV 2 4,4K
+#   bash benchmarks/percall/latency_vs_commit.sh REV [PAIRS=3] [SIZES=4,1K]
+#   BENCH=percall/hotpath.py NP=4 bash benchmarks/percall/latency_vs_commit.sh REV 2 4,4K
 # ARGS: more arguments for the benchmark; KEEP: a regex of the output lines to keep
 # (default: the lines of allreduce_latency.py's results).
 set -euo pipefail

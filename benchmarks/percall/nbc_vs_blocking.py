@@ -2,8 +2,8 @@
 ``MPI_Test``) against the blocking ones, in mpi4py, at large sizes: is a slow
 mcrdl call the library's nonblocking form or mcrdl?
 
-    mcrdl run -n 2 benchmarks/nbc_vs_blocking.py            # the MPI mpi4py loaded
-    OMPI_MCA_coll_libnbc_ireduce_algorithm=2 mpiexec -n 2 python benchmarks/nbc_vs_blocking.py
+    mcrdl run -n 2 benchmarks/percall/nbc_vs_blocking.py            # the MPI mpi4py loaded
+    OMPI_MCA_coll_libnbc_ireduce_algorithm=2 mpiexec -n 2 python benchmarks/percall/nbc_vs_blocking.py
 
 Prints the median of 5 calls (a barrier before each) per op and size, in ms,
 on rank 0. Results: docs/results/gpu.md (Open MPI 4.1).

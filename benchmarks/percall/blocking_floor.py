@@ -3,10 +3,10 @@ call (what raw mpi4py and OSU's C benchmarks time) against its nonblocking form
 completed by an ``MPI_Test`` spin (what mcrdl's compiled path runs, so that
 every wait has a deadline and other libraries keep progressing: DESIGN hazards
 1 and 6) and completed by ``MPI_Wait`` (waiting inside the library), all in C
-with nothing else in the loop (benchmarks/c/blocking_loop.c, built with the
+with nothing else in the loop (benchmarks/percall/c/blocking_loop.c, built with the
 job's mpicc).
 
-    mcrdl run -n 2 benchmarks/blocking_floor.py [--sizes 4,1K,16K,256K] [--rounds 5] [--json out.json]
+    mcrdl run -n 2 benchmarks/percall/blocking_floor.py [--sizes 4,1K,16K,256K] [--rounds 5] [--json out.json]
 
 Per size, ``R`` rounds; each round runs every (op, form) once, rotating the
 order of the forms; a value is the slowest rank's seconds per call; the report
@@ -89,7 +89,7 @@ def main() -> int:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"benchmark": "blocking_floor", "world_size": n, "rounds": a.rounds,
-                           "command": "mcrdl run -n %d benchmarks/blocking_floor.py %s" % (n, " ".join(sys.argv[1:])),
+                           "command": "mcrdl run -n %d benchmarks/percall/blocking_floor.py %s" % (n, " ".join(sys.argv[1:])),
                            "results": results}, f, indent=1)
                 f.write("\n")
     return 0

@@ -2,7 +2,7 @@
 # Record the multi-host figures in docs/results/multihost-*: the same tune + bench
 # sweep on 2 ranks on one host, on 2 namespace hosts (veth + bridge, TCP), and on
 # 2 namespace hosts limited to 1 Gbit/s each (tc tbf). Needs root (network
-# namespaces, tests/multihost/netns.py). Run from anywhere: bash benchmarks/multihost_record.sh
+# namespaces, tests/multihost/netns.py). Run from anywhere: bash benchmarks/tuning/multihost_record.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -27,4 +27,4 @@ for setting in 1host 2hosts 2hosts-1gbit; do
         --table $OUT/multihost-tuning-$setting.json --check --json $OUT/multihost-bench-$setting.json
   } 2>&1 | grep -v -e '━' -e 'hostname of the client socket' | tee $OUT/multihost-$setting.txt
 done
-run $BIN/python benchmarks/multihost_compare.py | tee $OUT/multihost-comparison.txt
+run $BIN/python benchmarks/tuning/multihost_compare.py | tee $OUT/multihost-comparison.txt

@@ -1,7 +1,7 @@
 """Calls as a training step makes them: mcrdl against raw mpi4py, each call
 right after a compute step, measured in one job, interleaved.
 
-    mcrdl run -n 2 benchmarks/cold_calls.py [--rounds R] [--calls K] [--json out.json]
+    mcrdl run -n 2 benchmarks/percall/cold_calls.py [--rounds R] [--calls K] [--json out.json]
 
 Back-to-back loops (OSU, allreduce_latency.py) keep the library's, the
 interpreter's and mcrdl's own code and data hot in cache; in a step each call
@@ -18,6 +18,7 @@ forward + backward. Every variant's result is checked on exact values first.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -26,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 import mcrdl
-from _record import environment, write_json
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import environment, write_json  # noqa: E402
 
 SIZES = (32, 128 << 10, 1 << 20)
 
@@ -146,7 +149,7 @@ def main() -> int:
         console.print(tab)
         if args.json:
             doc = {"benchmark": "cold_calls", "world_size": world,
-                   "command": "mcrdl run -n 2 benchmarks/cold_calls.py " + " ".join(sys.argv[1:]),
+                   "command": "mcrdl run -n 2 benchmarks/percall/cold_calls.py " + " ".join(sys.argv[1:]),
                    "rounds": args.rounds, "calls": args.calls,
                    "environment": environment(mpi=MPI.Get_library_version().splitlines()[0]),
                    "results": results}

@@ -1,5 +1,5 @@
 """torch's own gloo aborts at exit when an all_reduce is still running:
-`python benchmarks/gloo_exit_abort.py --runs 20`.
+`python benchmarks/faults/gloo_exit_abort.py --runs 20`.
 
 Each run is a 2-rank job (ranks started with torchrun's variables): 5 blocking
 all_reduces of 64 K floats, rank 1 sleeps 0.5 s, then each rank starts one

@@ -1,6 +1,6 @@
 """Compressed all-reduce: wire bytes, time and error per compressor and size.
 
-    mcrdl run -n 2 benchmarks/compression.py [--sizes 64K,1M,16M] [--rounds 5]
+    mcrdl run -n 2 benchmarks/features/compression.py [--sizes 64K,1M,16M] [--rounds 5]
                                              [--backend mpi|gloo] [--json out.json]
 
 For every size (bytes of a float32 CPU tensor) and every compressor (none, fp16, bf16,
@@ -31,7 +31,8 @@ import time
 import torch
 
 import mcrdl
-from _record import environment, write_json
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
+from _record import environment, write_json  # noqa: E402
 from mcrdl.features.compression import (BF16Compressor, FP16Compressor, Int8Compressor,
                                        NoneCompressor, all_reduce_wire_bytes, compressed_all_reduce)
 from mcrdl.features.fusion import parse_bytes

@@ -1,8 +1,8 @@
 """Soak: many short mixed MPI + gloo jobs, every way a job ends, counting exit codes.
 
-    python benchmarks/soak.py --jobs 512 [--ranks 2 4] [--routes api torch] [--load 1] [--out OUT]
+    python benchmarks/faults/soak.py --jobs 512 [--ranks 2 4] [--routes api torch] [--load 1] [--out OUT]
 
-Each job (benchmarks/soak_job.py under `mcrdl run`) starts mcrdl through its
+Each job (benchmarks/faults/soak_job.py under `mcrdl run`) starts mcrdl through its
 own API or through torch.distributed's init_process_group("mcrdl") with a DDP
 step, does mixed async work on MPI and gloo, then ends one of four ways:
 destroy_process_group, the exit handler, an exception on every rank, or
@@ -28,11 +28,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/: _record
 from _record import busy, environment, write_json  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "benchmarks", "soak_job.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+JOB = os.path.join(ROOT, "benchmarks", "faults", "soak_job.py")
 ENDINGS = {"destroy": 0, "atexit": 0, "exception": 1, "sigterm": 128 + signal.SIGTERM}
 ABORT = re.compile(r"terminate called|core dumped|signal 6|SIGABRT|Aborted")
 
@@ -116,7 +116,7 @@ def main() -> None:
     console.print(table)
     clean = sum(r["clean"] for r in results)
     console.print(f"{clean}/{len(results)} clean")
-    command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/faults/soak.py " + " ".join(sys.argv[1:])
     doc = {"command": command, "environment": environment(), "loadavg_before": uptime_before,
            "clean": clean, "jobs": len(results), "results": results}
     write_json(args.out + ".json", doc, console)
