@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 
 from . import settings
 from .launcher import BINDINGS, STOP_GRACE_S
+from .rank_env import in_job
 from .tuning import DEVICES, MAX_INT, shown
-from .types import UnsupportedError
 
 
 def _cmd_run(args) -> int:
@@ -80,17 +80,9 @@ def _cmd_explain(args) -> int:
     return 0
 
 
-def _in_job() -> bool:
-    import os
-
-    from .backends.mpi import mpi_launched
-
-    return mpi_launched() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def _relaunch(args, argv: Sequence[str]) -> Optional[int]:
     """``mcrdl bench -n N ...`` outside a job starts N ranks of itself."""
-    if not args.nprocs or _in_job():
+    if not args.nprocs or in_job():
         return None
     from . import launcher
 
@@ -303,9 +295,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, "wants_argv", False):
             return args.func(args, argv)
         return args.func(args)
-    except (ValueError, FileNotFoundError, UnsupportedError) as exc:
+    except Exception as exc:
+        if not _bad_input(exc):
+            raise
         print(f"mcrdl {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def _bad_input(exc: Exception) -> bool:
+    """An error the command reports in one line: a bad value, a missing file, an
+    op no live backend takes (mcrdl.types is loaded whenever one of its errors was raised;
+    `mcrdl run` never loads torch)."""
+    types = sys.modules.get("mcrdl.types")
+    return isinstance(exc, (ValueError, FileNotFoundError)) or (
+        types is not None and isinstance(exc, types.UnsupportedError))
 
 
 if __name__ == "__main__":

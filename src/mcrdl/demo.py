@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from .tune import crossovers
+from .rank_env import in_job, mpi_launched
 
 FORMAT = "mcrdl-demo/1"
 
@@ -93,12 +93,6 @@ def argparse_suppress():
     return argparse.SUPPRESS
 
 
-def _in_job() -> bool:
-    from .backends.mpi import mpi_launched
-
-    return mpi_launched() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 def _selected(spec: str) -> List[str]:
     names = [w.strip() for w in spec.split(",") if w.strip()]
     bad = [w for w in names if w not in WORKLOADS]
@@ -136,13 +130,11 @@ def main(args) -> int:
     names = _selected(args.workloads)
     args.device = args.device or default_device(args.nprocs)
     args.modes = ",".join(_modes(args.modes or ",".join(main_modes(args.device, args.nprocs)), args.device))
-    if not _in_job():
+    if not in_job():
         return _outer(args, names)
     rc = _inner(args, names)
     if args.no_report:
         return rc
-    from .backends.mpi import mpi_launched
-
     rank = 0
     if mpi_launched():
         from mpi4py import MPI
@@ -223,8 +215,6 @@ def _inner(args, names: List[str]) -> int:
 
 def _say(text: str) -> None:
     """Print on rank 0 only."""
-    from .backends.mpi import mpi_launched
-
     if mpi_launched():
         from mpi4py import MPI
         if MPI.COMM_WORLD.Get_rank() != 0:
@@ -320,6 +310,8 @@ def report(args, names: List[str], out: str, elapsed: Optional[float], command: 
         tdoc = _table_doc(table_path)
         rules = tdoc.get("rules")
         console.print(f"tuning table {table_path}:")
+        from .tune import crossovers
+
         for line in crossovers(tdoc):
             console.print("  " + line)
     agree_ok = all(r["agree"] for r in rows) and not missing

@@ -25,6 +25,17 @@ LAUNCHER_VARS = (
 )
 
 
+def mpi_launched() -> bool:
+    """True when an MPI launcher (Hydra, Open MPI, PMIx, Slurm+PMI) started us."""
+    return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+                                         "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID"))
+
+
+def in_job() -> bool:
+    """True in a rank of a job: an MPI launcher's, or torchrun-style ``RANK``/``WORLD_SIZE``."""
+    return mpi_launched() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
 def _slurm_local_size(env: Mapping[str, str]) -> Optional[int]:
     """Tasks on this node from ``SLURM_TASKS_PER_NODE`` (e.g. ``2(x3),1``) and ``SLURM_NODEID``."""
     per_node = []

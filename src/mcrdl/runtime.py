@@ -16,7 +16,8 @@ import torch
 from .autotune import Autotuner
 from .backends import REGISTRY, Backend, Context
 from . import pmi, rendezvous, settings
-from .backends.mpi import init_launched, library_name, mpi_launched
+from .backends.mpi import init_launched, library_name
+from .rank_env import mpi_launched
 from .features.flight_recorder import FlightRecorder, buffer_size, dump_prefix
 from .features.profiler import PROFILER, observers
 from .health import Health

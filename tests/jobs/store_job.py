@@ -10,7 +10,7 @@ import torch
 
 import mcrdl
 from common import check
-from mcrdl.backends.mpi import mpi_launched
+from mcrdl.rank_env import mpi_launched
 
 mcrdl.init_process_group(timeout=60)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import os
 import sys
 import threading
 from collections import deque
@@ -33,12 +32,6 @@ from ..types import ReduceOp
 from ..work import DONE, Pending, busy_seconds, current_stream, spin_until
 from . import native as native_path
 from .base import ANY_SOURCE, OPS, Backend, Context
-
-
-def mpi_launched() -> bool:
-    """True when an MPI launcher (Hydra, Open MPI, PMIx, Slurm+PMI) started us."""
-    return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK",
-                                         "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID"))
 
 
 def cuda_support() -> tuple[bool, str]:

@@ -645,7 +645,7 @@ def main(workload: Workload, argv: Optional[Sequence[str]] = None) -> int:
 def _abort_job() -> None:
     import traceback
 
-    from mcrdl.backends.mpi import mpi_launched
+    from mcrdl.rank_env import mpi_launched
 
     if not mpi_launched():
         return
