@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
