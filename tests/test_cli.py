@@ -157,6 +157,20 @@ def test_run_dry_run_and_exit_code():
     assert proc.returncode != 0
 
 
+@pytest.mark.parametrize("argv", [["-m", "mcrdl.cli", "run", "-n", "2", "--dry-run", "x.py"],
+                                  ["-m", "mcrdl.rank_env", sys.executable, "-c", "pass"]], ids=["run", "rank_env"])
+def test_launching_loads_no_torch(argv):
+    """`mcrdl run` and the wrapper it starts each rank in load neither torch nor a
+    backend: only the ranks' own programs pay torch's import (a 2-rank job paid it
+    five times when the package loaded its API at import)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PMI_RANK": "0", "PMI_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": "29500"}, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
+    assert "mcrdl" in loaded and not [m for m in loaded if m.split(".")[0] == "torch" or "backends" in m], loaded
+
+
 def test_run_propagates_failure_and_kills_on_timeout(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import sys; sys.exit(3)\n")
