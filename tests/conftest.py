@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 JOBS = Path(__file__).parent / "jobs"
+# one compute thread per rank in every job the tests start, as torchrun sets: ranks
+# share this machine's cores, and threads beyond them only queue
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: the marker of each test module that is not a ``job`` module (``pytest -m unit`` etc.);
 #: a job module may hold in-process tests too, a unit module launches nothing

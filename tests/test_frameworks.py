@@ -111,12 +111,24 @@ def run_example(nprocs, script, backend, *args, launcher="mpiexec", timeout=480,
     return result, out
 
 
+_GLOO = {}
+
+
+def gloo_losses(nprocs, script, *args):
+    """gloo's losses under mpiexec, run once per session for each case: with one
+    compute thread per rank (OMP_NUM_THREADS=1, set for every test job in conftest)
+    every launcher gives the same floats, so one reference serves them all."""
+    key = (nprocs, script, *args)
+    if key not in _GLOO:
+        _GLOO[key] = run_example(nprocs, script, "gloo", *args)[0]["losses"]
+    return _GLOO[key]
+
+
 def gloo_and_mcrdl(nprocs, script, *args, launcher="mpiexec"):
-    """Both backends' losses, under the same launcher (launchers differ in what
-    reaches the ranks, OMP_NUM_THREADS among them, and with it the float sums
-    of the compute). On mcrdl the communication log is on: every launcher must
-    leave MPI live, and the log's summary (rank 0) must show ops that MPI ran."""
-    gloo = run_example(nprocs, script, "gloo", *args, launcher=launcher)[0]["losses"]
+    """gloo's losses (under mpiexec) and mcrdl's under ``launcher``. On mcrdl the
+    communication log is on: every launcher must leave MPI live, and the log's
+    summary (rank 0) must show ops that MPI ran."""
+    gloo = gloo_losses(nprocs, script, *args)
     result, out = run_example(nprocs, script, "mcrdl", *args, launcher=launcher,
                               env={"MCRDL_COMMS_LOG": "1"})
     assert "MPI is not live" not in out and re.search(r"\b\w+/mpi\b", out), \
@@ -186,7 +198,7 @@ def test_lightning_launcher_falls_back_loudly(request):
     rendezvous: MPI cannot join those processes any more. mcrdl says so at init, with
     what to do, and trains on gloo with gloo's losses."""
     needs(request, "lightning")
-    gloo = run_example(2, "lightning_ddp.py", "gloo", launcher="lightning")[0]["losses"]
+    gloo = gloo_losses(2, "lightning_ddp.py")
     result, out = run_example(2, "lightning_ddp.py", "mcrdl", launcher="lightning")
     assert "mcrdl: MPI is not live" in out and "LightningEnvironment()" in out, out[-3000:]
     assert out.count("mcrdl: MPI is not live") == 1  # said once, by rank 0
