@@ -154,12 +154,52 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
 STOP_GRACE_S = 5.0
 
 
-def _kill_session(pid: int) -> None:
-    """SIGKILL every process still in the launch's session (ranks, proxies)."""
+def _below(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs...), from /proc; none where there is no /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _kill_job(pid: int) -> None:
+    """SIGKILL the launch's process group and every process below the launcher, then
+    wait (up to 5 s) until those are gone: MPICH's proxy starts each rank in a session
+    of its own, out of the group's reach, and ends it only some time after the
+    launcher's death."""
+    below = _below(pid)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    for p in below:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP_GRACE_S) -> int:
@@ -168,14 +208,14 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
     Ctrl-C/SIGTERM is forwarded to the launcher, which passes it to the ranks;
     whatever is still running ``grace`` s later (or at a second signal) is
     killed, and the exit code is 128 + the signal's number. After ``timeout``
-    s the job is killed and 124 returned. No process of the session outlives
+    s the job is killed and 124 returned. No process of the launch outlives
     this call."""
     proc = subprocess.Popen(list(cmd), start_new_session=True)
     received: list[tuple[int, float]] = []  # (signal, when)
 
     def forward(signum, _frame):
         if received:  # a second Ctrl-C: do not wait any longer
-            _kill_session(proc.pid)
+            _kill_job(proc.pid)
         received.append((signum, time.monotonic()))
         proc.send_signal(signum)
 
@@ -189,14 +229,14 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
             except subprocess.TimeoutExpired:
                 pass
             if received and time.monotonic() - received[0][1] > grace:
-                _kill_session(proc.pid)
+                _kill_job(proc.pid)
             elif not received and timeout is not None and time.monotonic() - start > timeout:
-                _kill_session(proc.pid)
+                _kill_job(proc.pid)
                 proc.wait()
                 print(f"mcrdl run: job killed after {timeout} s", file=sys.stderr)
                 return 124
     finally:
-        _kill_session(proc.pid)  # ranks or proxies the launcher left behind
+        _kill_job(proc.pid)  # ranks or proxies the launcher left behind
         for s, h in old.items():
             signal.signal(s, h)
     if received:
