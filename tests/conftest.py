@@ -1,6 +1,7 @@
 """Helpers: launch real multi-rank jobs through `mcrdl run` (MPICH's mpiexec)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,22 +73,34 @@ def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec")
 
 
 def run_or_dump(cmd, timeout, env=None, cwd=None):
-    """``subprocess.run(cmd)`` in a session of its own: ``(exit status, stdout, stderr)``.
-    Past ``timeout`` every process of the session gets SIGABRT, so Python's fault handler
-    prints where each thread waited, and the test fails with that output's tail."""
+    """``subprocess.run(cmd)``: ``(exit status, stdout, stderr)``. Past ``timeout`` the
+    command and every process below it (torchrun's workers run in sessions of their own)
+    get SIGABRT, so Python's fault handler prints where each thread waited, and the test
+    fails with that output's tail."""
+    from mcrdl.launcher import processes_below
+
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            env={**(env or os.environ), "PYTHONFAULTHANDLER": "1"}, start_new_session=True)
+                            env={**(env or os.environ), "PYTHONFAULTHANDLER": "1"})
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        subprocess.run(["pkill", "-ABRT", "-s", str(proc.pid)])
+        everyone = [proc.pid, *processes_below(proc.pid)]
+        signal_all(everyone, signal.SIGABRT)
         try:
             out, err = proc.communicate(timeout=10)
         finally:
-            subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])
+            signal_all(everyone, signal.SIGKILL)
         pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... still ran after {timeout} s; where each process "
                     f"waited:\n{(out + err)[-12000:]}", pytrace=False)
     return proc.returncode, out, err
+
+
+def signal_all(pids, signum):
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def read_verdicts(directory):

@@ -154,7 +154,7 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
 STOP_GRACE_S = 5.0
 
 
-def _below(pid: int) -> list[int]:
+def processes_below(pid: int) -> list[int]:
     """The processes below ``pid`` (children, theirs...), from /proc; none where there is no /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
@@ -187,7 +187,7 @@ def _kill_job(pid: int) -> None:
     wait (up to 5 s) until those are gone: MPICH's proxy starts each rank in a session
     of its own, out of the group's reach, and ends it only some time after the
     launcher's death."""
-    below = _below(pid)
+    below = processes_below(pid)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
