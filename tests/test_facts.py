@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mcrdl import facts
+from mcrdl import facts, ops
 
 from conftest import cached_files, check_built_once_and_reused, compiled_status
 
@@ -198,18 +198,16 @@ def test_span_memo_is_not_reused_once_its_memory_was_freed():
     (as FSDP frees parameters) must get a view of its own memory."""
     from types import SimpleNamespace
 
-    from mcrdl import api
-
     g, kind = SimpleNamespace(size=4, starters={}), (16, torch.float32)
     for _ in range(20):
         old = torch.zeros(1 << 22)
         at = old.data_ptr()
-        assert api._span(g, "all_gather", list(old[:16].chunk(4)), kind).data_ptr() == at
+        assert ops.span(g, "all_gather", list(old[:16].chunk(4)), kind).data_ptr() == at
         old.untyped_storage().resize_(0)
         del old
         new = torch.zeros(1 << 22)
         if new.data_ptr() == at:  # the allocator handed the freed memory out again
-            whole = api._span(g, "all_gather", list(new[:16].chunk(4)), kind)
+            whole = ops.span(g, "all_gather", list(new[:16].chunk(4)), kind)
             assert whole is not None and whole.data_ptr() == new.data_ptr()
             whole.fill_(7)
             assert torch.equal(new[:16], torch.full((16,), 7.0))

@@ -4,7 +4,7 @@
 # 2 namespace hosts limited to 1 Gbit/s each (tc tbf). Needs root (network
 # namespaces, tests/multihost/netns.py). Run from anywhere: bash benchmarks/tuning/multihost_record.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 BIN=.venv/bin
 OUT=docs/results
 SIZES=4,256,4K,64K,1M,4M
