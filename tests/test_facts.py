@@ -84,6 +84,37 @@ def test_pair(compiled):
             assert expected is None, name
 
 
+def test_plan_key(compiled):
+    """Every recipe on tensors and fixed arguments of every kind: the compiled
+    plan_key and the Python one agree (a plan built by one driver is found by the other)."""
+    from mcrdl.types import ReduceOp
+
+    ops.driver()  # (sets the compiled module up)
+    buf = torch.zeros(16)
+    pairs = [(buf[:8], buf[8:]), (buf[:9], buf[8:]), (torch.zeros(4, dtype=torch.bool), torch.zeros(8, dtype=torch.bool))]
+    singles = [TENSORS[n] for n in ("float32", "0-d", "empty", "bool", "strided", "requires_grad", "None")]
+    fixed = [(ReduceOp.SUM,), (ReduceOp.MAX,), ("sum",), (0,), (1, ReduceOp.SUM), (True,), (1.0, ReduceOp.SUM),
+             (0, 7), (0, True), (None, 0), (2**40, 0)]
+    answered = set()
+    for recipe in range(7):
+        for at in (0, 1):
+            for tensors in [(t,) for t in singles] + [(t, u) for t in singles[:2] for u in singles[:2]] + pairs:
+                for f in fixed:
+                    try:
+                        expected = facts.plan_key(recipe, at, tensors, f)
+                    except IndexError:  # (Python indexes past the tuple; C answers None)
+                        assert compiled.plan_key(recipe, at, tensors, f) is None
+                        continue
+                    assert compiled.plan_key(recipe, at, tensors, f) == expected, (recipe, at, tensors, f)
+                    answered.add(recipe if expected is not None else -1)
+    assert answered == {-1, *range(7)}  # every recipe keyed some call, and refused some
+    t = TENSORS["float32"]
+    assert facts.plan_key(facts.REDUCED, 0, (t,), (ReduceOp.SUM,)) == (t.nbytes, t.dtype)
+    assert facts.plan_key(facts.REDUCED, 0, (TENSORS["bool"],), (ReduceOp.SUM,)) is None  # (mapped to uint8)
+    assert facts.plan_key(facts.ROOTED, 0, (t,), (True,)) is None  # (True is no rank)
+    assert facts.plan_key(facts.P2P, 0, (t,), (1, 5)) == ((t.nbytes, t.dtype), 1, 5)
+
+
 def test_span(compiled):
     buf = torch.zeros(12)
     parts = list(buf.chunk(3))

@@ -25,7 +25,7 @@ from .types import P2POp, ReduceOp
 from .work import DEFAULT_TIMEOUT, Work, _seconds
 
 _runtime: Optional[Runtime] = None
-_run = ops.run
+_run = ops.run  # (the compiled driver once init has loaded it)
 
 
 # -- lifecycle -------------------------------------------------------------------------
@@ -56,10 +56,10 @@ def init_process_group(backends: Union[None, str, Sequence[str]] = None, default
     collective from the job's own first calls (or ``MCRDL_AUTOTUNE=1``; see
     :mod:`mcrdl.autotune`).
     """
-    global _runtime
+    global _runtime, _run
     if _runtime is not None:
         raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
-    ops.load_facts()
+    _run = ops.driver()
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
                        comms_log, store, rank, world_size, autotune)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
@@ -459,7 +459,7 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group]
     the group); returns the sender's global rank (-1 on a non-member)."""
     if src is not None:
         _run(_runtime, ops.RECV, group, False, backend, (tensor,), (src, tag))
-        return src if get_rank(group) >= 0 else -1
+        return src if group is None or group.rank >= 0 else -1
     work = _run(_runtime, ops.IRECV, group, True, backend, (tensor,), (src, tag))
     if work is None:
         return -1

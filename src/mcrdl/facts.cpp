@@ -1,11 +1,12 @@
-// The facts mcrdl's fast paths key their plans on, read from the tensors in
-// C++ (facts.py has the same functions in Python, the fallback): from Python
-// each torch attribute read costs 60-240 ns, and a fast path made 5 to 20 of
-// them per call. A tensor qualifies when it is a strided CPU tensor that is
+// The facts mcrdl's ops key their plans on, read from the tensors in C++
+// (facts.py has the same functions in Python, the fallback): from Python
+// each torch attribute read costs 60-240 ns, and a call made 5 to 20 of
+// them. A tensor qualifies when it is a strided CPU tensor that is
 // contiguous, not nested, has storage and no Python dispatch (a wrapper
 // subclass takes the general path). torch's errors raise as they do in Python.
 // ranges() is the exception: it reads any strided tensor with storage (the
 // memory an async op touches, for the order check), CUDA ones too.
+// drive() is ops.run's compiled twin for the calls that run from a plan.
 #include <Python.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -225,8 +226,328 @@ PyObject *ranges(PyObject *, PyObject *const *args, Py_ssize_t n)
     END_HANDLE_TH_ERRORS
 }
 
+
+// The recipes of facts.plan_key, numbered alike.
+enum Recipe { KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P };
+
+PyObject *SUM = nullptr; // mcrdl.types.ReduceOp.SUM (setup)
+
+PyObject *kind_of(const at::Tensor &t)
+{
+    PyObject *kind = PyTuple_New(2), *nbytes = kind ? PyLong_FromSize_t(t.nbytes()) : nullptr;
+    if (nbytes == nullptr) {
+        Py_XDECREF(kind);
+        return nullptr;
+    }
+    PyTuple_SET_ITEM(kind, 0, nbytes);
+    PyTuple_SET_ITEM(kind, 1, dtype_of(t));
+    return kind;
+}
+
+// (kind, *fixed[:count]): a new reference, or nullptr with an error.
+PyObject *kind_and(const at::Tensor &t, PyObject *fixed, Py_ssize_t count)
+{
+    PyObject *kind = kind_of(t), *out = kind ? PyTuple_New(1 + count) : nullptr;
+    if (out == nullptr) {
+        Py_XDECREF(kind);
+        return nullptr;
+    }
+    PyTuple_SET_ITEM(out, 0, kind);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_INCREF(PyTuple_GET_ITEM(fixed, i));
+        PyTuple_SET_ITEM(out, 1 + i, PyTuple_GET_ITEM(fixed, i));
+    }
+    return out;
+}
+
+// plan_key without the argument checks: a new reference, Py_None, or nullptr with an error.
+PyObject *plan_key_of(long recipe, Py_ssize_t at, PyObject *tensors, PyObject *fixed)
+{
+    Py_ssize_t nt = PyTuple_GET_SIZE(tensors), nf = PyTuple_GET_SIZE(fixed);
+    if (recipe >= PAIRED) {
+        if (recipe == P2P) {
+            if (nf < 2 || at >= nt || !PyLong_CheckExact(PyTuple_GET_ITEM(fixed, 0))
+                || !PyLong_CheckExact(PyTuple_GET_ITEM(fixed, 1)))
+                Py_RETURN_NONE;
+            const at::Tensor *t = usable(PyTuple_GET_ITEM(tensors, at));
+            if (t == nullptr)
+                Py_RETURN_NONE;
+            return kind_and(*t, fixed, 2);
+        }
+        if (nt < 2 || (recipe == PAIRED_REDUCED && (nf < 1 || PyTuple_GET_ITEM(fixed, nf - 1) != SUM)))
+            Py_RETURN_NONE;
+        PyObject *args[2] = {PyTuple_GET_ITEM(tensors, 1), PyTuple_GET_ITEM(tensors, 0)};
+        const at::Tensor *a = usable(args[0]);
+        if (recipe == PAIRED_REDUCED && a != nullptr && a->scalar_type() == at::kBool)
+            Py_RETURN_NONE;
+        return pair(nullptr, args, 2);
+    }
+    bool reduced = recipe == REDUCED || recipe == ROOTED_REDUCED, rooted = recipe == ROOTED || recipe == ROOTED_REDUCED;
+    if (at >= nt || (reduced && (nf < 1 || PyTuple_GET_ITEM(fixed, nf - 1) != SUM))
+        || (rooted && (nf < 1 || !PyLong_CheckExact(PyTuple_GET_ITEM(fixed, 0)))))
+        Py_RETURN_NONE;
+    const at::Tensor *t = usable(PyTuple_GET_ITEM(tensors, at));
+    if (t == nullptr || (reduced && t->scalar_type() == at::kBool))
+        Py_RETURN_NONE;
+    if (rooted)
+        return kind_and(*t, fixed, 1);
+    return kind_of(*t);
+}
+
+// plan_key(recipe, at, tensors, fixed): what a call's plan is keyed on, else None.
+PyObject *plan_key(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    HANDLE_TH_ERRORS
+    if (!nargs("plan_key", n, 4))
+        return nullptr;
+    if (SUM == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "plan_key: setup() has not run");
+        return nullptr;
+    }
+    long recipe = PyLong_AsLong(args[0]);
+    Py_ssize_t at = PyLong_AsSsize_t(args[1]);
+    if ((recipe == -1 || at == -1) && PyErr_Occurred())
+        return nullptr;
+    if (recipe < KEY || recipe > P2P || at < 0 || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_ValueError, "plan_key: a recipe of 0-6, an index >= 0 and two tuples");
+        return nullptr;
+    }
+    return plan_key_of(recipe, at, args[2], args[3]);
+    END_HANDLE_TH_ERRORS
+}
+
+// What drive() reads, set once by setup().
+struct Driver {
+    PyObject *slow = nullptr;     // ops.run: calls without a plan
+    PyObject *planned = nullptr;  // ops.planned: calls with a plan that drive() does not run
+    PyObject *blocked = nullptr;  // ops.blocked(rt, g, op, backend, pending, tensors): a start that did not finish
+    PyObject *group_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr, *zero = nullptr;
+    Py_ssize_t name, recipe, at, listed, at_root, collective, split, async_plan, last; // Op's field indices
+} D;
+
+PyObject *s_debug, *s_engine, *s_lost, *s_outstanding, *s_observer, *s_world, *s_owner, *s_rank, *s_starters,
+    *s_size, *s_enabled;
+
+// A borrowed-like read: a new reference to obj.name (nullptr with an error).
+inline PyObject *get(PyObject *obj, PyObject *name) { return PyObject_GetAttr(obj, name); }
+
+// Is obj.name truthy? -1 on an error.
+int truth(PyObject *obj, PyObject *name)
+{
+    THPObjectPtr v(get(obj, name));
+    return v ? PyObject_IsTrue(v.get()) : -1;
+}
+
+// The list form's view of its blocks, when the group remembers it (the
+// memo ops.span keeps); nullptr without an error when it does not.
+PyObject *remembered_span(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind, PyObject *single)
+{
+    THPObjectPtr size(get(g, s_size));
+    if (!size || !PyTuple_CheckExact(kind) || PyTuple_GET_SIZE(kind) != 2)
+        return nullptr;
+    PyObject *args[5] = {parts, size.get(), PyTuple_GET_ITEM(kind, 1), PyTuple_GET_ITEM(kind, 0), single};
+    THPObjectPtr at(span(nullptr, args, 5));
+    if (!at || at.get() == Py_None)
+        return nullptr;
+    THPObjectPtr starters(get(g, s_starters));
+    if (!starters)
+        return nullptr;
+    PyObject *memo = PyDict_GetItemWithError(starters.get(), name); // (address, nbytes, dtype, view)
+    if (memo == nullptr || !PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 4)
+        return nullptr;
+    PyObject *view = PyTuple_GET_ITEM(memo, 3);
+    if (PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 0), at.get(), Py_EQ) != 1
+        || PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 1), PyTuple_GET_ITEM(kind, 0), Py_EQ) != 1
+        || PyTuple_GET_ITEM(memo, 2) != PyTuple_GET_ITEM(kind, 1) || !THPVariable_Check(view))
+        return nullptr;
+    const at::Tensor &v = THPVariable_Unpack(view);
+    if (reinterpret_cast<uintptr_t>(v.data_ptr()) != PyLong_AsSize_t(at.get()))
+        return nullptr;
+    Py_INCREF(view);
+    return view;
+}
+
+// drive(rt, op, group, async_op, backend[, tensors[, fixed[, splits]]]):
+// ops.run, compiled up to the plan: it checks what ops.run checks and looks
+// the call's plan up. A blocking call with the logger and the profiler off,
+// no split sizes, and a list (if any) whose view the group remembers, it
+// then starts here, handing it to ops.blocked when its start did not finish
+// it; other calls with a plan go to ops.planned, and calls without one to
+// ops.run (which also builds the plans).
+PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no torch warning handler: drive reads tensors only through plan_key_of and span)
+    if (n < 6 || n > 8) {
+        PyErr_Format(PyExc_TypeError, "drive takes 6 to 8 arguments (%zd given)", n);
+        return nullptr;
+    }
+    if (D.slow == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "drive: setup() has not run");
+        return nullptr;
+    }
+    PyObject *rt = args[0], *op = args[1], *group = args[2], *async_op = args[3], *backend = args[4],
+             *tensors = args[5], *fixed = n > 6 ? args[6] : D.empty, *splits = n > 7 ? args[7] : Py_None;
+    if ((async_op != Py_False && async_op != Py_True) || rt == Py_None || !PyTuple_CheckExact(tensors)
+        || PyTuple_GET_SIZE(tensors) > 2 || !PyTuple_CheckExact(fixed)
+        || (backend != Py_None && !PyUnicode_CheckExact(backend)) || !PyTuple_Check(op)
+        || PyTuple_GET_SIZE(op) <= D.last)
+        return PyObject_Vectorcall(D.slow, args, n, nullptr);
+    int state;
+    if ((state = truth(rt, s_debug)) != 0)
+        return state < 0 ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
+    THPObjectPtr engine(get(rt, s_engine));
+    if (!engine)
+        return nullptr;
+    if (async_op == Py_True)
+        state = PyObject_IsTrue(PyTuple_GET_ITEM(op, D.async_plan)) == 1 ? 0 : 1;
+    else
+        state = truth(engine.get(), s_outstanding);
+    if (state != 0 || (state = truth(engine.get(), s_lost)) != 0)
+        return state < 0 ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
+    THPObjectPtr g(group == Py_None ? get(rt, s_world) : (Py_INCREF(group), group));
+    if (!g)
+        return nullptr;
+    if (Py_TYPE(g.get()) != reinterpret_cast<PyTypeObject *>(D.group_type))
+        return PyObject_Vectorcall(D.slow, args, n, nullptr);
+    THPObjectPtr owner(get(g.get(), s_owner)), rank(owner ? get(g.get(), s_rank) : nullptr);
+    if (!rank)
+        return nullptr;
+    long my_rank = PyLong_CheckExact(rank.get()) ? PyLong_AsLong(rank.get()) : -1;
+    if (owner.get() != rt || my_rank < 0)
+        return PyObject_Vectorcall(D.slow, args, n, nullptr);
+    long recipe = PyLong_AsLong(PyTuple_GET_ITEM(op, D.recipe));
+    Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, D.at)),
+               listed = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, D.listed));
+    if (PyErr_Occurred())
+        return nullptr;
+    THPObjectPtr facts(plan_key_of(recipe, at, tensors, fixed));
+    if (!facts)
+        return nullptr;
+    if (facts.get() == Py_None)
+        return PyObject_Vectorcall(D.slow, args, n, nullptr);
+    PyObject *name = PyTuple_GET_ITEM(op, D.name);
+    THPObjectPtr key(splits == Py_None ? PyTuple_Pack(4, name, facts.get(), backend, async_op)
+                                       : PyTuple_Pack(5, name, facts.get(), backend, Py_False, D.zero));
+    THPObjectPtr starters(key ? get(g.get(), s_starters) : nullptr);
+    if (!starters)
+        return nullptr;
+    PyObject *plan = PyDict_CheckExact(starters.get()) ? PyDict_GetItemWithError(starters.get(), key.get()) : nullptr;
+    if (plan == nullptr || !PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 5)
+        return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
+    Py_INCREF(plan);
+    THPObjectPtr held(plan); // (a start may replace the group's plans)
+    PyObject *planned_args[10] = {rt, g.get(), op, plan, group, async_op, backend, tensors, fixed, splits};
+    if (async_op == Py_True || splits != Py_None || (state = truth(D.profiler, s_enabled)) != 0)
+        return state < 0 ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+    THPObjectPtr observer(get(rt, s_observer));
+    if (!observer)
+        return nullptr;
+    if (observer.get() != Py_None)
+        return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+    PyObject *argv[4];
+    Py_ssize_t argc = PyTuple_GET_SIZE(tensors);
+    for (Py_ssize_t i = 0; i < argc; i++)
+        argv[i] = PyTuple_GET_ITEM(tensors, i);
+    THPObjectPtr whole, call;
+    if (listed >= 0) { // the list as the view of its blocks the group remembers
+        if (argc != 2 || listed > 1)
+            return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+        PyObject *parts = argv[listed], *single = argv[1 - listed];
+        long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, 3));
+        if (root == -1 && PyErr_Occurred())
+            return nullptr;
+        if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.at_root)) == 1 && root != my_rank) {
+            int has = parts == Py_None ? 0 : PyObject_IsTrue(parts);
+            if (has < 0)
+                return nullptr;
+            if (has == 0) { // (a list here: ops.planned sends the call to the general path)
+                Py_INCREF(Py_None);
+                whole = THPObjectPtr(Py_None);
+            }
+        } else {
+            whole = THPObjectPtr(remembered_span(g.get(), name, parts, PyTuple_GET_ITEM(plan, 4), single));
+        }
+        if (!whole)
+            return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+        argv[listed] = whole.get();
+        call = THPObjectPtr(PyTuple_Pack(2, argv[0], argv[1]));
+        if (!call)
+            return nullptr;
+    } else {
+        Py_INCREF(tensors);
+        call = THPObjectPtr(tensors);
+    }
+    if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.split)) == 1) {
+        argv[argc++] = Py_None;
+        argv[argc++] = Py_None;
+    } else if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 1) {
+        size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, 2));
+        if (nbytes == static_cast<size_t>(-1) && PyErr_Occurred())
+            return nullptr;
+        if (nbytes == 0) // every rank skips a zero-byte collective
+            Py_RETURN_NONE;
+    }
+    PyObject *pending = PyObject_Vectorcall(PyTuple_GET_ITEM(plan, 1), argv, argc, nullptr);
+    if (pending == nullptr || pending == D.done) {
+        Py_XDECREF(pending);
+        return pending == nullptr ? nullptr : (Py_INCREF(Py_None), Py_None);
+    }
+    PyObject *bargs[6] = {rt, g.get(), op, PyTuple_GET_ITEM(plan, 0), pending, call.get()};
+    PyObject *out = PyObject_Vectorcall(D.blocked, bargs, 6, nullptr);
+    Py_DECREF(pending);
+    return out;
+} catch (const std::exception &e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+}
+
+Py_ssize_t field(PyObject *fields, const char *name)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(fields); i++)
+        if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(fields, i), name) == 0)
+            return i;
+    PyErr_Format(PyExc_ValueError, "setup: Op has no field %s", name);
+    return -1;
+}
+
+// setup(run, planned, blocked, Group, DONE, SUM, profiler module, Op._fields): what drive() needs.
+PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs("setup", n, 8))
+        return nullptr;
+    PyObject *fields = args[7];
+    if (!PyTuple_Check(fields) || !PyType_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "setup: a Group type and Op._fields");
+        return nullptr;
+    }
+    Driver d;
+    if ((d.name = field(fields, "name")) < 0 || (d.recipe = field(fields, "recipe")) < 0
+        || (d.at = field(fields, "at")) < 0 || (d.listed = field(fields, "listed")) < 0
+        || (d.at_root = field(fields, "at_root")) < 0 || (d.collective = field(fields, "collective")) < 0
+        || (d.split = field(fields, "split")) < 0 || (d.async_plan = field(fields, "async_plan")) < 0)
+        return nullptr;
+    d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.async_plan});
+    PyObject **slots[] = {&d.slow, &d.planned, &d.blocked, &d.group_type, &d.done, &SUM, &d.profiler};
+    for (int i = 0; i < 7; i++) {
+        Py_INCREF(args[i]);
+        *slots[i] = args[i]; // (kept for the process's life, as the module is)
+    }
+    if ((d.empty = PyTuple_New(0)) == nullptr || (d.zero = PyLong_FromLong(0)) == nullptr)
+        return nullptr;
+    D = d;
+    struct { PyObject **s; const char *text; } names[] = {
+        {&s_debug, "debug"}, {&s_engine, "engine"}, {&s_lost, "lost"}, {&s_outstanding, "outstanding"},
+        {&s_observer, "observer"}, {&s_world, "world"}, {&s_owner, "owner"}, {&s_rank, "rank"},
+        {&s_starters, "starters"}, {&s_size, "size"}, {&s_enabled, "_is_profiler_enabled"}};
+    for (auto &entry : names)
+        if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
+            return nullptr;
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"key", key, METH_O, nullptr},
+    {"plan_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(plan_key)), METH_FASTCALL, nullptr},
+    {"drive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(drive)), METH_FASTCALL, nullptr},
+    {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(setup)), METH_FASTCALL, nullptr},
     {"pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pair)), METH_FASTCALL, nullptr},
     {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL, nullptr},
     {"ranges", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ranges)), METH_FASTCALL, nullptr},

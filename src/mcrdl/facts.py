@@ -1,14 +1,16 @@
-"""The facts the fast paths key their plans on (api.py, "fast paths"), read
-from the tensors in one call: :func:`key`, :func:`pair`, :func:`span`; and
+"""The facts an op's plans are keyed on (ops.py), read from the tensors in one
+call: :func:`plan_key` (from :func:`key`, :func:`pair`), :func:`span`; and
 the memory an async op touches, checked against every op in flight
 (work.py, program order): :func:`ranges`.
 
 These are the pure-Python versions. :func:`load` returns the same functions
 compiled from facts.cpp against the installed torch (one call, no attribute
-reads from Python: 60-240 ns each here, 5 to 20 per fast-path call), built
-once per machine into mcrdl's cache (:mod:`mcrdl.compiled`); without a C++
-compiler, when the build fails, or with ``MCRDL_NATIVE=0`` these run instead,
-with the same results (tests/test_facts.py checks both on the same tensors).
+reads from Python: 60-240 ns each here, 5 to 20 per call), built once per
+machine into mcrdl's cache (:mod:`mcrdl.compiled`), together with the
+compiled driver of calls that run from a plan (``drive``, see ops.py);
+without a C++ compiler, when the build fails, or with ``MCRDL_NATIVE=0``
+these run instead, with the same results (tests/test_facts.py checks both on
+the same tensors).
 A tensor qualifies when it is a strided, contiguous CPU tensor, not nested,
 with storage and no Python dispatch (wrapper subclasses take the general path).
 """
@@ -27,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import compiled, settings
+from .types import ReduceOp
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "facts.cpp")
 MODULE = "mcrdl_facts"
@@ -81,6 +84,36 @@ def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int, apart=None) -
         if at < base + n * nbytes and base < at + apart.nbytes:
             return None
     return base
+
+
+#: What a plan is keyed on (an op's ``recipe``; facts.cpp numbers them alike).
+#: KEY: ``key(tensors[at])``; REDUCED: that, for a SUM that is not of bools
+#: (those are mapped: the general path); ROOTED: ``(key, fixed[0])`` for an int
+#: root; ROOTED_REDUCED: both; PAIRED: ``pair(tensors[1], tensors[0])``;
+#: PAIRED_REDUCED: that, for a SUM not of bools; P2P: ``(key, peer, tag)`` for int ones.
+KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P = range(7)
+_SUM = ReduceOp.SUM
+
+
+def plan_key(recipe: int, at: int, tensors: tuple, fixed: tuple):
+    """What a call's plan is keyed on, by ``recipe``; None: the call takes the general path."""
+    if recipe >= PAIRED:
+        if recipe == P2P:
+            if type(fixed[0]) is not int or type(fixed[1]) is not int:
+                return None
+            kind = key(tensors[at])
+            return None if kind is None else (kind, fixed[0], fixed[1])
+        if recipe == PAIRED_REDUCED and fixed[-1] is not _SUM:
+            return None
+        both = pair(tensors[1], tensors[0])
+        return None if both is None or (recipe == PAIRED_REDUCED and both[1] is torch.bool) else both
+    reduced, rooted = recipe in (REDUCED, ROOTED_REDUCED), recipe in (ROOTED, ROOTED_REDUCED)
+    if (reduced and fixed[-1] is not _SUM) or (rooted and type(fixed[0]) is not int):
+        return None
+    kind = key(tensors[at])
+    if kind is None or (reduced and kind[1] is torch.bool):
+        return None
+    return (kind, fixed[0]) if rooted else kind
 
 
 def extent(t: torch.Tensor) -> tuple[int, int]:

@@ -41,16 +41,9 @@ DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
 MAX_TAG = 2**31 - 1  # a C int (MPI's own bound, MPI_TAG_UB, may be lower)
 #: Largest list (bytes) whose spanning view a group remembers between calls.
 SPAN_MEMO_BYTES = 64 << 10
-_SUM, _BOOL = ReduceOp.SUM, torch.bool
-#: The plans' tensor checks (facts.py): compiled once :func:`load_facts` ran.
-_key, _pair, _span_at = _facts.key, _facts.pair, _facts.span
-
-
-def load_facts() -> None:
-    """Use the compiled tensor checks (init calls this once)."""
-    global _key, _pair, _span_at
-    checks = _facts.load()
-    _key, _pair, _span_at = checks.key, checks.pair, checks.span
+#: The plans' tensor checks (facts.py): compiled once :func:`driver` ran.
+_plan_key, _key, _span_at = _facts.plan_key, _facts.key, _facts.span
+KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P = range(7)  # (facts.py's recipes)
 
 
 class Op(NamedTuple):
@@ -64,7 +57,7 @@ class Op(NamedTuple):
     reads: tuple  # indices of the tensors it reads ...
     writes: tuple  # ... and writes
     size: Callable  # (tensors, group size) -> the bytes the selector keys on
-    facts: Callable  # (tensors, fixed) -> what its plans are keyed on; None: the general path
+    recipe: int  # what its plans are keyed on (facts.plan_key), read from tensor ``at``
     check: Optional[Callable] = None  # (op, group, tensors) -> raises naming shapes that do not fit
     root: str = ""  # fixed[0] is a global rank, named so: "src", "dst"
     reduces: bool = False  # fixed[-1] is a reduction
@@ -73,6 +66,7 @@ class Op(NamedTuple):
     block: int = 0  # the tensor whose shape every rank passes alike (debug mode compares it)
     collective: bool = True  # False: point to point (the peer passes its own size)
     split: bool = False  # split sizes per call (all_to_all_single)
+    at: int = 0
     async_plan: bool = True  # may run from a plan while other work is in flight
 
 
@@ -196,64 +190,34 @@ def _counts(splits, size: int, shape: tuple, row: int) -> Optional[list]:
     return splits if row == 1 else [s * row for s in splits]
 
 
-# -- the plans' facts: what a plan is keyed on, read from the call ----------------------------
-def _reduced(ts, fixed, at=0):  # (bool is reduced as uint8: the general path maps it)
-    kind = _key(ts[at]) if fixed[-1] is _SUM else None
-    return None if kind is None or kind[1] is _BOOL else kind
-
-
-def _rooted(ts, fixed, at=0):
-    kind = _key(ts[at]) if type(fixed[0]) is int else None
-    return None if kind is None else (kind, fixed[0])
-
-
-def _rooted_reduced(ts, fixed):
-    kind = _reduced(ts, fixed) if type(fixed[0]) is int else None
-    return None if kind is None else (kind, fixed[0])
-
-
-def _paired(ts, fixed):  # (aliased tensors: the general path copies)
-    return _pair(ts[1], ts[0])
-
-
-def _paired_reduced(ts, fixed):
-    both = _pair(ts[1], ts[0]) if fixed[-1] is _SUM else None
-    return None if both is None or both[1] is _BOOL else both
-
-
-def _p2p(ts, fixed):
-    kind = _key(ts[0]) if type(fixed[0]) is int and type(fixed[1]) is int else None
-    return None if kind is None else (kind, *fixed)
-
-
+# -- the descriptions ---------------------------------------------------------------------
 def _nbytes(at: int, per_rank: bool = False):
     """The selector's size: tensor ``at``'s bytes (times the group size: a per-rank block)."""
     return (lambda ts, n: ts[at].nbytes * n) if per_rank else (lambda ts, n: ts[at].nbytes)
 
 
-ALL_REDUCE = Op("all_reduce", "all_reduce", ("tensor",), (0,), (0,), _nbytes(0), _reduced, reduces=True)
-BROADCAST = Op("broadcast", "broadcast", ("tensor",), (0,), (0,), _nbytes(0), _rooted, root="src")
-REDUCE = Op("reduce", "reduce", ("tensor",), (0,), (0,), _nbytes(0), _rooted_reduced, root="dst",
+ALL_REDUCE = Op("all_reduce", "all_reduce", ("tensor",), (0,), (0,), _nbytes(0), REDUCED, reduces=True)
+BROADCAST = Op("broadcast", "broadcast", ("tensor",), (0,), (0,), _nbytes(0), ROOTED, root="src")
+REDUCE = Op("reduce", "reduce", ("tensor",), (0,), (0,), _nbytes(0), ROOTED_REDUCED, root="dst",
             reduces=True, async_plan=False)
 ALL_GATHER_INTO_TENSOR = Op(
     "all_gather_into_tensor", "all_gather_into_tensor", ("output_tensor", "input_tensor"), (1,), (0,),
-    _nbytes(0), _paired, lambda op, g, ts: _holds_blocks(op, g, ts[1], ts[0], "output_tensor"), block=1)
+    _nbytes(0), PAIRED, lambda op, g, ts: _holds_blocks(op, g, ts[1], ts[0], "output_tensor"), block=1)
 REDUCE_SCATTER_TENSOR = Op(
     "reduce_scatter_tensor", "reduce_scatter_tensor", ("output", "input"), (1,), (0,), _nbytes(1),
-    _paired_reduced, lambda op, g, ts: _holds_blocks(op, g, ts[0], ts[1], "input"), reduces=True)
+    PAIRED_REDUCED, lambda op, g, ts: _holds_blocks(op, g, ts[0], ts[1], "input"), reduces=True)
 ALL_GATHER = ALL_GATHER_INTO_TENSOR._replace(name="all_gather", names=("tensor_list", "tensor"), listed=0,
-                                             facts=lambda ts, fixed: _key(ts[1]), async_plan=False)
+                                             recipe=KEY, at=1, async_plan=False)
 REDUCE_SCATTER = REDUCE_SCATTER_TENSOR._replace(name="reduce_scatter", names=("output", "input_list"),
-                                                listed=1, facts=_reduced, async_plan=False)
-GATHER = Op("gather", "gather", ("gather_list", "tensor"), (1,), (0,), _nbytes(1, True),
-            lambda ts, fixed: _rooted(ts, fixed, 1), root="dst", listed=0, at_root=True, block=1,
-            async_plan=False)
-SCATTER = Op("scatter", "scatter", ("tensor", "scatter_list"), (1,), (0,), _nbytes(0, True), _rooted,
+                                                listed=1, recipe=REDUCED, async_plan=False)
+GATHER = Op("gather", "gather", ("gather_list", "tensor"), (1,), (0,), _nbytes(1, True), ROOTED, root="dst",
+            listed=0, at_root=True, block=1, at=1, async_plan=False)
+SCATTER = Op("scatter", "scatter", ("tensor", "scatter_list"), (1,), (0,), _nbytes(0, True), ROOTED,
              root="src", listed=1, at_root=True, async_plan=False)
 ALL_TO_ALL_SINGLE = Op("all_to_all_single", "all_to_all_single", ("output", "input"), (1,), (0,), _nbytes(1),
-                       _paired, _a2a_check, block=1, split=True, async_plan=False)
-SEND = Op("send", "send", ("tensor",), (0,), (), _nbytes(0), _p2p, root="dst", collective=False)
-RECV = Op("recv", "recv", ("tensor",), (), (0,), _nbytes(0), _p2p, root="src", collective=False)
+                       PAIRED, _a2a_check, block=1, split=True, async_plan=False)
+SEND = Op("send", "send", ("tensor",), (0,), (), _nbytes(0), P2P, root="dst", collective=False)
+RECV = Op("recv", "recv", ("tensor",), (), (0,), _nbytes(0), P2P, root="src", collective=False)
 ISEND, IRECV = SEND._replace(name="isend"), RECV._replace(name="irecv")
 
 
@@ -266,7 +230,7 @@ def run(rt: Optional[Runtime], op: Op, group, async_op: bool, backend, tensors: 
             and (op.async_plan if async_op else not rt.engine.outstanding)):
         g = rt.world if group is None else group
         if type(g) is Group and g.owner is rt and g.rank >= 0:
-            facts = op.facts(tensors, fixed)
+            facts = _plan_key(op.recipe, op.at, tensors, fixed)
             if facts is not None:
                 key = (op.name, facts, backend, async_op) if splits is None else (op.name, facts, backend, False, 0)
                 plan = g.starters.get(key)
@@ -277,6 +241,32 @@ def run(rt: Optional[Runtime], op: Op, group, async_op: bool, backend, tensors: 
                     if done is not _GENERAL:
                         return done
     return general(rt, op, group, async_op, backend, tensors, fixed, splits)
+
+
+def driver() -> Callable:
+    """The driver calls go through: facts.cpp's ``drive`` (:func:`run` compiled
+    for the calls that run from a plan, handing every other call to it), or
+    :func:`run` itself without the compiled facts (no compiler, MCRDL_NATIVE=0)."""
+    global _plan_key, _key, _span_at
+    checks = _facts.load()
+    if checks is _facts:
+        return run
+    checks.setup(run, planned, blocked, Group, DONE, ReduceOp.SUM, _torch_profiler, Op._fields)
+    _plan_key, _key, _span_at = checks.plan_key, checks.key, checks.span
+    return checks.drive
+
+
+def planned(rt: Runtime, g: Group, op: Op, plan: tuple, group, async_op: bool, backend, tensors: tuple,
+            fixed: tuple, splits):
+    """A call ``drive`` found the plan of but leaves to Python (async, split
+    sizes, observed, a list not seen before)."""
+    done = _from_plan(rt, g, op, plan, tensors, async_op, splits)
+    return general(rt, op, group, async_op, backend, tensors, fixed, splits) if done is _GENERAL else done
+
+
+def blocked(rt: Runtime, g: Group, op: Op, backend: str, pending, tensors: tuple) -> None:
+    """Wait for a call started from its plan that its start did not finish."""
+    rt.engine.block(op.name, backend, pending, g, _pick(tensors, op.reads), _pick(tensors, op.writes))
 
 
 #: What :func:`_from_plan` returns when the general path must run the call.
@@ -364,7 +354,7 @@ def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async
     if not async_op and observer is None:
         pending = start(*args)
         if pending is not DONE:
-            rt.engine.block(op.name, backend, pending, g, _pick(tensors, op.reads), _pick(tensors, op.writes))
+            blocked(rt, g, op, backend, pending, tensors)
         return None
     reads, writes = _pick(tensors, op.reads), _pick(tensors, op.writes)
     if counts is not None and observer is not None:  # (bytes per peer: the logger's Alltoallv counts)
@@ -543,7 +533,8 @@ def general(rt: Optional[Runtime], op: Op, group, async_op: bool, backend, tenso
         return submit(rt, name, g, op.size(ts, g.size), ref, backend, async_op,
                       lambda b, h: getattr(b, method)(h, *ts, *bfixed), reads=reads, writes=writes,
                       post=post, result=list(writes if op.writes else reads), reduce_op=rop,
-                      collective=op.collective, invariant=_invariant(op, tensors, fixed, splits),
+                      collective=op.collective,
+                      invariant=_invariant(op, tensors, fixed, splits) if rt.debug or op.split else None,
                       agree=op.split and not even, skip_empty=op.collective and not op.split, peer=peer,
                       counts=counts)
     return start if prepare else start(async_op)
