@@ -338,9 +338,10 @@ int truth(PyObject *obj, PyObject *name)
     return v ? PyObject_IsTrue(v.get()) : -1;
 }
 
-// The list form's view of its blocks, when the group remembers it (the
-// memo ops.span keeps); nullptr without an error when it does not.
-PyObject *remembered_span(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind, PyObject *single)
+// The list form's view of its blocks (ops.span): the one the group remembers,
+// else a new view (not remembered: ops.span remembers small lists' views when
+// it runs); nullptr without an error when the blocks do not lie back to back.
+PyObject *list_view(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind, PyObject *single)
 {
     THPObjectPtr size(get(g, s_size));
     if (!size || !PyTuple_CheckExact(kind) || PyTuple_GET_SIZE(kind) != 2)
@@ -353,24 +354,65 @@ PyObject *remembered_span(PyObject *g, PyObject *name, PyObject *parts, PyObject
     if (!starters)
         return nullptr;
     PyObject *memo = PyDict_GetItemWithError(starters.get(), name); // (address, nbytes, dtype, view)
-    if (memo == nullptr || !PyTuple_CheckExact(memo) || PyTuple_GET_SIZE(memo) != 4)
+    if (memo != nullptr && PyTuple_CheckExact(memo) && PyTuple_GET_SIZE(memo) == 4
+        && PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 0), at.get(), Py_EQ) == 1
+        && PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 1), PyTuple_GET_ITEM(kind, 0), Py_EQ) == 1
+        && PyTuple_GET_ITEM(memo, 2) == PyTuple_GET_ITEM(kind, 1) && THPVariable_Check(PyTuple_GET_ITEM(memo, 3))) {
+        PyObject *view = PyTuple_GET_ITEM(memo, 3);
+        if (reinterpret_cast<uintptr_t>(THPVariable_Unpack(view).data_ptr()) == PyLong_AsSize_t(at.get())) {
+            Py_INCREF(view);
+            return view;
+        }
+    }
+    if (PyErr_Occurred())
         return nullptr;
-    PyObject *view = PyTuple_GET_ITEM(memo, 3);
-    if (PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 0), at.get(), Py_EQ) != 1
-        || PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 1), PyTuple_GET_ITEM(kind, 0), Py_EQ) != 1
-        || PyTuple_GET_ITEM(memo, 2) != PyTuple_GET_ITEM(kind, 1) || !THPVariable_Check(view))
+    Py_ssize_t n = PyLong_AsSsize_t(size.get());
+    const at::Tensor &first = THPVariable_Unpack(PySequence_Fast_ITEMS(parts)[0]);
+    try { // a view of the first block's storage, which must hold them all
+        return THPVariable_Wrap(first.as_strided({n * first.numel()}, {1}));
+    } catch (const c10::Error &) {
         return nullptr;
-    const at::Tensor &v = THPVariable_Unpack(view);
-    if (reinterpret_cast<uintptr_t>(v.data_ptr()) != PyLong_AsSize_t(at.get()))
+    }
+}
+
+// Elements per peer from split sizes (ops._counts): a list of ``size``
+// non-negative ints summing to ``rows``, times ``row``; nullptr without an
+// error when they are not.
+PyObject *counts_of(PyObject *splits, Py_ssize_t size, int64_t rows, long long row)
+{
+    if (!PyList_CheckExact(splits) || PyList_GET_SIZE(splits) != size)
         return nullptr;
-    Py_INCREF(view);
-    return view;
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < size; i++) {
+        PyObject *item = PyList_GET_ITEM(splits, i);
+        long long v = PyLong_CheckExact(item) ? PyLong_AsLongLong(item) : -1;
+        if (v < 0) {
+            PyErr_Clear();
+            return nullptr;
+        }
+        total += v;
+    }
+    if (total != rows)
+        return nullptr;
+    if (row == 1) {
+        Py_INCREF(splits);
+        return splits;
+    }
+    PyObject *out = PyList_New(size);
+    for (Py_ssize_t i = 0; out != nullptr && i < size; i++) {
+        PyObject *v = PyLong_FromLongLong(PyLong_AsLongLong(PyList_GET_ITEM(splits, i)) * row);
+        if (v == nullptr)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
 }
 
 // drive(rt, op, group, async_op, backend[, tensors[, fixed[, splits]]]):
 // ops.run, compiled up to the plan: it checks what ops.run checks and looks
 // the call's plan up. A blocking call with the logger and the profiler off,
-// no split sizes, and a list (if any) whose view the group remembers, it
+// valid split sizes (if any), and a list (if any) of blocks back to back, it
 // then starts here, handing it to ops.blocked when its start did not finish
 // it; other calls with a plan go to ops.planned, and calls without one to
 // ops.run (which also builds the plans).
@@ -435,7 +477,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     Py_INCREF(plan);
     THPObjectPtr held(plan); // (a start may replace the group's plans)
     PyObject *planned_args[10] = {rt, g.get(), op, plan, group, async_op, backend, tensors, fixed, splits};
-    if (async_op == Py_True || splits != Py_None || (state = truth(D.profiler, s_enabled)) != 0)
+    if (async_op == Py_True || (state = truth(D.profiler, s_enabled)) != 0)
         return state < 0 ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
     THPObjectPtr observer(get(rt, s_observer));
     if (!observer)
@@ -446,7 +488,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     Py_ssize_t argc = PyTuple_GET_SIZE(tensors);
     for (Py_ssize_t i = 0; i < argc; i++)
         argv[i] = PyTuple_GET_ITEM(tensors, i);
-    THPObjectPtr whole, call;
+    THPObjectPtr whole, call, out_counts, in_counts;
     if (listed >= 0) { // the list as the view of its blocks the group remembers
         if (argc != 2 || listed > 1)
             return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
@@ -463,7 +505,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
                 whole = THPObjectPtr(Py_None);
             }
         } else {
-            whole = THPObjectPtr(remembered_span(g.get(), name, parts, PyTuple_GET_ITEM(plan, 4), single));
+            whole = THPObjectPtr(list_view(g.get(), name, parts, PyTuple_GET_ITEM(plan, 4), single));
         }
         if (!whole)
             return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
@@ -476,8 +518,23 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         call = THPObjectPtr(tensors);
     }
     if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.split)) == 1) {
-        argv[argc++] = Py_None;
-        argv[argc++] = Py_None;
+        argv[argc] = argv[argc + 1] = Py_None;
+        if (splits != Py_None) { // (output, input) split sizes as element counts per peer
+            const at::Tensor *out = usable(argv[0]), *in = usable(argv[1]);
+            long long row = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, 4));
+            if (!PyTuple_CheckExact(splits) || PyTuple_GET_SIZE(splits) != 2 || out == nullptr || in == nullptr
+                || row < 0)
+                return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+            Py_ssize_t size = PyLong_AsSsize_t(THPObjectPtr(get(g.get(), s_size)).get());
+            out_counts = THPObjectPtr(counts_of(PyTuple_GET_ITEM(splits, 0), size, out->dim() ? out->size(0) : 1, row));
+            in_counts = THPObjectPtr(out_counts ? counts_of(PyTuple_GET_ITEM(splits, 1), size,
+                                                            in->dim() ? in->size(0) : 1, row) : nullptr);
+            if (!in_counts)
+                return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+            argv[argc] = out_counts.get();
+            argv[argc + 1] = in_counts.get();
+        }
+        argc += 2;
     } else if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 1) {
         size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, 2));
         if (nbytes == static_cast<size_t>(-1) && PyErr_Occurred())
