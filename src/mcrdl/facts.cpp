@@ -325,7 +325,7 @@ struct Driver {
     Py_ssize_t name, recipe, at, listed, at_root, collective, split, async_plan, last; // Op's field indices
 } D;
 
-PyObject *s_debug, *s_engine, *s_lost, *s_outstanding, *s_observer, *s_world, *s_owner, *s_rank, *s_starters,
+PyObject *s_debug, *s_engine, *s_lost, *s_outstanding, *s_observer, *s_world, *s_rank, *s_starters,
     *s_size, *s_enabled;
 
 // A borrowed-like read: a new reference to obj.name (nullptr with an error).
@@ -447,13 +447,10 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     THPObjectPtr g(group == Py_None ? get(rt, s_world) : (Py_INCREF(group), group));
     if (!g)
         return nullptr;
+    // (A group holds plans only while it belongs to the live runtime and this
+    // rank is in it: ops.run builds them after checking both, and destroying
+    // the group or the runtime clears them. So a plan found is a plan to run.)
     if (Py_TYPE(g.get()) != reinterpret_cast<PyTypeObject *>(D.group_type))
-        return PyObject_Vectorcall(D.slow, args, n, nullptr);
-    THPObjectPtr owner(get(g.get(), s_owner)), rank(owner ? get(g.get(), s_rank) : nullptr);
-    if (!rank)
-        return nullptr;
-    long my_rank = PyLong_CheckExact(rank.get()) ? PyLong_AsLong(rank.get()) : -1;
-    if (owner.get() != rt || my_rank < 0)
         return PyObject_Vectorcall(D.slow, args, n, nullptr);
     long recipe = PyLong_AsLong(PyTuple_GET_ITEM(op, D.recipe));
     Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, D.at)),
@@ -493,8 +490,9 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         if (argc != 2 || listed > 1)
             return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
         PyObject *parts = argv[listed], *single = argv[1 - listed];
-        long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, 3));
-        if (root == -1 && PyErr_Occurred())
+        THPObjectPtr rank(get(g.get(), s_rank));
+        long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, 3)), my_rank = rank ? PyLong_AsLong(rank.get()) : -1;
+        if (PyErr_Occurred())
             return nullptr;
         if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.at_root)) == 1 && root != my_rank) {
             int has = parts == Py_None ? 0 : PyObject_IsTrue(parts);
@@ -592,7 +590,7 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     D = d;
     struct { PyObject **s; const char *text; } names[] = {
         {&s_debug, "debug"}, {&s_engine, "engine"}, {&s_lost, "lost"}, {&s_outstanding, "outstanding"},
-        {&s_observer, "observer"}, {&s_world, "world"}, {&s_owner, "owner"}, {&s_rank, "rank"},
+        {&s_observer, "observer"}, {&s_world, "world"}, {&s_rank, "rank"},
         {&s_starters, "starters"}, {&s_size, "size"}, {&s_enabled, "_is_profiler_enabled"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
