@@ -13,6 +13,14 @@ def test_review_regression(case):
     assert out.count(f"{case} OK") == 2, out[-3000:]
 
 
+@pytest.mark.parametrize("driver", ["compiled", "python"])
+def test_a_plan_serves_only_calls_it_fits(driver):
+    """The compiled driver and the pure-Python one (MCRDL_NATIVE=0) alike."""
+    env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}
+    out = run_job(2, "regressions_job.py", "plan_fit", timeout=120, env=env)
+    assert out.count("plan_fit OK") == 2, out[-3000:]
+
+
 def test_callback_at_exit():
     """The abort at exit this guards against is a race (7 of 8 jobs aborted
     without the fix): two jobs make a miss unlikely."""

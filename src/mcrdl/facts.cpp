@@ -319,6 +319,7 @@ PyObject *plan_key(PyObject *, PyObject *const *args, Py_ssize_t n)
 // What drive() reads, set once by setup().
 struct Driver {
     PyObject *slow = nullptr;     // ops.run: calls without a plan
+    PyObject *general = nullptr;  // ops.general: calls that never have one
     PyObject *planned = nullptr;  // ops.planned: calls with a plan that drive() does not run
     PyObject *blocked = nullptr;  // ops.blocked(rt, g, op, backend, pending, tensors): a start that did not finish
     PyObject *group_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr, *zero = nullptr;
@@ -414,8 +415,8 @@ PyObject *counts_of(PyObject *splits, Py_ssize_t size, int64_t rows, long long r
 // the call's plan up. A blocking call with the logger and the profiler off,
 // valid split sizes (if any), and a list (if any) of blocks back to back, it
 // then starts here, handing it to ops.blocked when its start did not finish
-// it; other calls with a plan go to ops.planned, and calls without one to
-// ops.run (which also builds the plans).
+// it; other calls with a plan go to ops.planned, calls that never have one
+// to ops.general, and the rest to ops.run (which also builds the plans).
 PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no torch warning handler: drive reads tensors only through plan_key_of and span)
     if (n < 6 || n > 8) {
         PyErr_Format(PyExc_TypeError, "drive takes 6 to 8 arguments (%zd given)", n);
@@ -460,8 +461,8 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     THPObjectPtr facts(plan_key_of(recipe, at, tensors, fixed));
     if (!facts)
         return nullptr;
-    if (facts.get() == Py_None)
-        return PyObject_Vectorcall(D.slow, args, n, nullptr);
+    if (facts.get() == Py_None) // (no plan for such calls: CUDA tensors, lists of copies, other reductions)
+        return PyObject_Vectorcall(D.general, args, n, nullptr);
     PyObject *name = PyTuple_GET_ITEM(op, D.name);
     THPObjectPtr key(splits == Py_None ? PyTuple_Pack(4, name, facts.get(), backend, async_op)
                                        : PyTuple_Pack(5, name, facts.get(), backend, Py_False, D.zero));
@@ -563,13 +564,13 @@ Py_ssize_t field(PyObject *fields, const char *name)
     return -1;
 }
 
-// setup(run, planned, blocked, Group, DONE, SUM, profiler module, Op._fields): what drive() needs.
+// setup(run, general, planned, blocked, Group, DONE, SUM, profiler module, Op._fields): what drive() needs.
 PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs("setup", n, 8))
+    if (!nargs("setup", n, 9))
         return nullptr;
-    PyObject *fields = args[7];
-    if (!PyTuple_Check(fields) || !PyType_Check(args[3])) {
+    PyObject *fields = args[8];
+    if (!PyTuple_Check(fields) || !PyType_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError, "setup: a Group type and Op._fields");
         return nullptr;
     }
@@ -580,8 +581,8 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
         || (d.split = field(fields, "split")) < 0 || (d.async_plan = field(fields, "async_plan")) < 0)
         return nullptr;
     d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.async_plan});
-    PyObject **slots[] = {&d.slow, &d.planned, &d.blocked, &d.group_type, &d.done, &SUM, &d.profiler};
-    for (int i = 0; i < 7; i++) {
+    PyObject **slots[] = {&d.slow, &d.general, &d.planned, &d.blocked, &d.group_type, &d.done, &SUM, &d.profiler};
+    for (int i = 0; i < 8; i++) {
         Py_INCREF(args[i]);
         *slots[i] = args[i]; // (kept for the process's life, as the module is)
     }

@@ -251,7 +251,7 @@ def driver() -> Callable:
     checks = _facts.load()
     if checks is _facts:
         return run
-    checks.setup(run, planned, blocked, Group, DONE, ReduceOp.SUM, _torch_profiler, Op._fields)
+    checks.setup(run, general, planned, blocked, Group, DONE, ReduceOp.SUM, _torch_profiler, Op._fields)
     _plan_key, _key, _span_at = checks.plan_key, checks.key, checks.span
     return checks.drive
 

@@ -279,6 +279,55 @@ def span_memo():
             check(torch.equal(other, old), op, backend, "wrote into the tensors' former memory")
 
 
+def plan_fit():
+    """A plan kept for one call never serves a call it does not fit: the same
+    bytes in another dtype or shape, another root, a tensor elsewhere in
+    memory, an aliased or non-contiguous one, bools, another reduction. Each
+    call follows one that made a plan and must give the local reference."""
+    def same(got, want, what):
+        check(torch.equal(got, want), "plan_fit:", what, "got", got, "expected", want)
+
+    for backend in mcrdl.live_backends():
+        for dtype, n in ((torch.float32, 4), (torch.int32, 4), (torch.float64, 2), (torch.int8, 16)):
+            t = torch.full((n,), rank + 1, dtype=dtype)
+            mcrdl.all_reduce(t, backend=backend)
+            same(t, torch.full((n,), world * (world + 1) // 2, dtype=dtype), f"all_reduce {dtype} on {backend}")
+        flags = torch.tensor([rank == 0, False, True])
+        mcrdl.all_reduce(flags, backend=backend)  # (bool SUM: a logical or, mapped by the general path)
+        same(flags, torch.tensor([True, False, True]), f"all_reduce of bools on {backend}")
+        t = torch.full((4,), rank + 1.0)
+        mcrdl.all_reduce(t, mcrdl.ReduceOp.MAX, backend=backend)
+        same(t, torch.full((4,), float(world)), f"all_reduce MAX after SUM on {backend}")
+        buf = torch.arange(8, dtype=torch.float32) + 10 * rank
+        for offset in (0, 4):  # the same shape elsewhere in one storage
+            view = buf[offset:offset + 4]
+            mcrdl.all_reduce(view, backend=backend)
+        want = torch.arange(8, dtype=torch.float32) * world + 10 * world * (world - 1) // 2
+        same(buf, want, f"all_reduce of two views of one buffer on {backend}")
+        strided = (torch.arange(8, dtype=torch.float32) + rank)[::2]
+        mcrdl.all_reduce(strided, backend=backend)
+        same(strided, torch.arange(0, 8, 2, dtype=torch.float32) * world + world * (world - 1) // 2,
+             f"all_reduce of a strided view after a plan on {backend}")
+        for root in range(world):  # one plan per root
+            t = torch.full((3,), float(rank))
+            mcrdl.broadcast(t, root, backend=backend)
+            same(t, torch.full((3,), float(root)), f"broadcast from {root} on {backend}")
+        for rows, cols in ((2 * world, 2), (world, 4)):  # the same bytes in other rows
+            inp = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols) + 100 * rank
+            out = torch.empty(rows, cols)
+            mcrdl.all_to_all_single(out, inp, backend=backend)
+            per = rows // world
+            want = torch.cat([torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)[rank * per:(rank + 1) * per]
+                              + 100 * r for r in range(world)])
+            same(out, want, f"all_to_all_single of {rows}x{cols} on {backend}")
+        whole = torch.zeros(2 * world)
+        mcrdl.all_gather_into_tensor(whole, torch.full((2,), float(rank)), backend=backend)
+        same(whole, torch.arange(world, dtype=torch.float32).repeat_interleave(2), f"all_gather_into_tensor on {backend}")
+        whole = torch.arange(2 * world, dtype=torch.float32)  # input aliasing the output: copied, not planned
+        mcrdl.all_gather_into_tensor(whole, whole[2 * rank:2 * rank + 2], backend=backend)
+        same(whole, torch.arange(2 * world, dtype=torch.float32), f"aliased all_gather_into_tensor on {backend}")
+
+
 def released():
     """destroy_process_group releases every library handle at once, though the
     user still holds the group (torch's ProcessGroup wrapper does): a gloo group
@@ -369,7 +418,7 @@ def collective_order():
  "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
- "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released}[case]()
+ "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released, "plan_fit": plan_fit}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
