@@ -38,7 +38,8 @@ TIMES = re.compile(r"TIME (\S+) rank=0 ([\d.]+)s")
 def job(request, tmp_path_factory):
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if not cache:
-        cache = (request.config.cache.mkdir("torchinductor") if request.config.cache is not None
+        pytest_cache = getattr(request.config, "cache", None)  # (absent with -p no:cacheprovider)
+        cache = (pytest_cache.mkdir("torchinductor") if pytest_cache is not None
                  else tmp_path_factory.mktemp("torchinductor"))
     start = time.perf_counter()
     # one compile thread per rank: 2 ranks on 2 cores, and no compile-worker pool to start

@@ -19,6 +19,11 @@ every op from that description, in one of two ways:
   check, order after conflicting outstanding work, make contiguous, private
   or flat copies, map the reduction, select (debug fingerprint, size
   agreement, autotune), start, and wait or return a Work.
+
+The API calls the driver :func:`driver` returns: facts.cpp's ``drive``, the
+compiled twin of :func:`run` for calls that have a plan (it hands the rest to
+:func:`run`, :func:`general`, :func:`planned` and :func:`blocked`), or
+:func:`run` itself where nothing is compiled.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from torch.autograd import profiler as _torch_profiler
 
 from . import facts as _facts
 from .backends.base import ANY_SOURCE
+from .facts import KEY, P2P, PAIRED, PAIRED_REDUCED, REDUCED, ROOTED, ROOTED_REDUCED
 from .runtime import Group, Runtime
 from .types import CommError, ReduceOp, UnsupportedError
 from .work import DONE, AfterAll, Done, Work, _overlap, current_stream
@@ -43,7 +49,6 @@ MAX_TAG = 2**31 - 1  # a C int (MPI's own bound, MPI_TAG_UB, may be lower)
 SPAN_MEMO_BYTES = 64 << 10
 #: The plans' tensor checks (facts.py): compiled once :func:`driver` ran.
 _plan_key, _key, _span_at = _facts.plan_key, _facts.key, _facts.span
-KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P = range(7)  # (facts.py's recipes)
 
 
 class Op(NamedTuple):
