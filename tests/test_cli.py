@@ -190,6 +190,26 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def test_ranks_the_launcher_leaves_behind_do_not_outlive_mcrdl_run(tmp_path):
+    """A launcher that exits before its ranks (mpiexec on Ctrl-C) orphans them, and
+    ranks in sessions of their own (MPICH's proxy starts them so) are out of reach
+    of the launch's process group: `mcrdl run` still ends them."""
+    pidfile = tmp_path / "rank.pid"
+    rank = (f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+            "time.sleep(600)")
+    exits_at_once = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}], "
+                     f"start_new_session=True); time.sleep(1)")
+    code = subprocess.run([sys.executable, "-c", "import sys; from mcrdl import launcher; "
+                           f"sys.exit(launcher.run([sys.executable, '-c', {exits_at_once!r}]))"],
+                          cwd=ROOT, timeout=60).returncode
+    pid = int(pidfile.read_text())
+    try:
+        assert code == 0 and not _running(pid), "the orphaned rank outlived mcrdl run"
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("signum,mode,backend,how", [
     (signal.SIGINT, "default", "mpi", "mpiexec"),
     (signal.SIGTERM, "default", "gloo", "mpiexec"),

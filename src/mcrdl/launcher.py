@@ -182,12 +182,23 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_job(pid: int) -> None:
-    """SIGKILL the launch's process group and every process below the launcher, then
-    wait (up to 5 s) until those are gone: MPICH's proxy starts each rank in a session
-    of its own, out of the group's reach, and ends it only some time after the
-    launcher's death."""
-    below = processes_below(pid)
+def _adopt_orphans() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux
+    ``PR_SET_CHILD_SUBREAPER``), so ranks whose launcher exited first stay below
+    it, where :func:`_kill_job` finds them. False where that is not possible."""
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _kill_job(pid: int, also: Sequence[int] = ()) -> None:
+    """SIGKILL the launch's process group, every process below the launcher and
+    ``also``, then wait (up to 5 s) until those are gone: MPICH's proxy starts each
+    rank in a session of its own, out of the group's reach, and ends it only some
+    time after the launcher's death."""
+    below = [*processes_below(pid), *also]
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -210,6 +221,8 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
     killed, and the exit code is 128 + the signal's number. After ``timeout``
     s the job is killed and 124 returned. No process of the launch outlives
     this call."""
+    adopting = _adopt_orphans()
+    before = set(processes_below(os.getpid()))
     proc = subprocess.Popen(list(cmd), start_new_session=True)
     received: list[tuple[int, float]] = []  # (signal, when)
 
@@ -236,7 +249,15 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
                 print(f"mcrdl run: job killed after {timeout} s", file=sys.stderr)
                 return 124
     finally:
-        _kill_job(proc.pid)  # ranks or proxies the launcher left behind
+        # ranks or proxies the launcher left behind; those orphaned when it exited
+        # (ranks of MPICH's proxy live in sessions of their own) are below us now
+        orphans = [p for p in processes_below(os.getpid()) if p not in before] if adopting else []
+        _kill_job(proc.pid, orphans)
+        for p in orphans:  # our children now: reap them
+            try:
+                os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                pass
         for s, h in old.items():
             signal.signal(s, h)
     if received:
