@@ -65,7 +65,9 @@ def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec")
     cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--launcher", launcher,
            "--timeout", str(timeout), str(JOBS / script), *map(str, args)]
     with tempfile.TemporaryDirectory(prefix="verdicts_") as verdicts:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), "TEST_VERDICTS": verdicts}
+        # (a rank killed by a fatal signal prints where each of its threads was)
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {}),
+                    "TEST_VERDICTS": verdicts}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout + 30)
         out = JobOutput(proc.stdout + proc.stderr)
         out.verdicts = read_verdicts(verdicts)
