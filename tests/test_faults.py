@@ -276,3 +276,46 @@ def test_an_op_done_in_its_start_is_not_failed_for_a_death_noted_meanwhile():
     group = SimpleNamespace(ranks=[0, 1, 2], timeout=5.0)
     engine.block("recv", "gloo", DONE, group, (), (torch.zeros(1),), post=[lambda: ran.append("post")])
     assert ran == ["post"]
+
+
+def test_a_leaving_rank_0s_bye_arrives_behind_an_unacknowledged_beat():
+    """CI saw rank 1 take rank 0's leaving for a death (then abort the job at exit):
+    rank 0 wrote ``bye`` while a beat it had sent was not yet acknowledged, so
+    Nagle's algorithm held the bye back, and a beat from rank 1 lay unread, so
+    closing reset the connection and dropped the held bye. Rank 0's watchdog
+    leaves here in exactly that state; its peer must read the bye."""
+    from mcrdl import watchdog
+
+    store = torch.distributed.HashStore()
+    wd = watchdog.Watchdog(store, 0, 2, lambda: socket.create_server(("127.0.0.1", 0)),
+                           lambda rank, how: None, timeout=10)
+    host, port, secret = store.get("watchdog/0").decode().split()
+    peer = socket.create_connection((host, int(port)), timeout=10)
+    nonce = peer.recv(64).decode().strip()
+    mine = "ab" * 16
+    peer.sendall(f"1 {mine} {watchdog._mac(bytes.fromhex(secret), 'rank', '1', nonce)}\n".encode())
+    assert peer.recv(65).decode().strip() == watchdog._mac(bytes.fromhex(secret), "rank0", mine)
+    tell = wd._tell_all
+    for _ in range(10):  # beats both ways: the peer now delays its acknowledgements
+        tell(b"beat\n")
+        peer.recv(256)
+        time.sleep(0.002)
+        peer.sendall(b"beat\n")
+    time.sleep(0.05)
+
+    def tell_last(message):
+        if message == b"bye\n":
+            peer.sendall(b"beat\n")  # arrives after the serve thread stopped: never read
+            time.sleep(0.05)
+            tell(b"beat\n")  # rank 0's last beat, not yet acknowledged
+        tell(message)
+    wd._tell_all = tell_last
+    wd.stop()
+    got = b""
+    try:
+        while data := peer.recv(256):
+            got += data
+    except ConnectionResetError:
+        pass
+    peer.close()
+    assert got.endswith(b"bye\n"), got

@@ -46,6 +46,27 @@ def beat_interval(frozen_s: float) -> float:
     return min(1.0, frozen_s / 5) if frozen_s else 1.0
 
 
+def _no_delay(sock: socket.socket) -> socket.socket:
+    """Lines go out as written: with Nagle's algorithm a ``bye`` could wait behind an
+    unacknowledged ``beat`` and be dropped by the reset a close sends."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _part(sock: socket.socket) -> None:
+    """Close a connection so that what was sent on it arrives: end the sending side
+    (a FIN after the data) and read what the peer sent meanwhile, since closing
+    with unread data resets the connection."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.setblocking(False)
+        while sock.recv(LINE_MAX):
+            pass
+    except OSError:  # nothing more to read now, or the peer is gone
+        pass
+    sock.close()
+
+
 def _frozen(rank: int, seconds: float) -> str:
     return f"rank {rank} is frozen (nothing heard from it for {seconds:.1f} s)"
 
@@ -115,7 +136,7 @@ class Watchdog:
         else:
             host, port, *shared = store.get(key).decode().split()
             self._secret = bytes.fromhex(shared[0]) if secret is None else secret
-            self._sock = socket.create_connection((host, int(port)), timeout=timeout)
+            self._sock = _no_delay(socket.create_connection((host, int(port)), timeout=timeout))
             self._pending = self._handshake(f"{host}:{port}")
             self._sock.settimeout(self._beat_s)
             target = self._listen_to_rank0
@@ -172,6 +193,7 @@ class Watchdog:
     def _accept(self, sel: selectors.BaseSelector) -> None:
         try:
             conn, _ = self._listener.accept()
+            _no_delay(conn)
         except OSError:
             return
         waiting = [s for s, p in self._peers.items() if p.rank is None]
@@ -325,7 +347,9 @@ class Watchdog:
             self._thread.join(timeout=2)
             if leaving:
                 self._tell_all(b"bye\n")
-            for sock in [*self._peers, self._listener, self._wake_r, self._wake_w]:
+            for sock in list(self._peers):
+                _part(sock)
+            for sock in (self._listener, self._wake_r, self._wake_w):
                 sock.close()
             return
         try:
@@ -335,7 +359,7 @@ class Watchdog:
         except OSError:
             pass
         self._thread.join(timeout=2)
-        self._sock.close()
+        _part(self._sock)
 
 
 __all__ = ["Watchdog", "beat_interval"]
