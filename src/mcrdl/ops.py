@@ -45,8 +45,11 @@ from .work import DONE, AfterAll, Done, Work, _overlap, current_stream
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                     torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
 MAX_TAG = 2**31 - 1  # a C int (MPI's own bound, MPI_TAG_UB, may be lower)
-#: Largest list (bytes) whose spanning view a group remembers between calls.
-SPAN_MEMO_BYTES = 64 << 10
+#: Largest list (bytes) whose spanning view a group remembers between calls: a view
+#: made per call cost gather and all_gather 1.1-1.6x raw MPI at 64-256 KiB per rank
+#: (docs/results/hotpath.md). The memo keeps at most this much memory alive per list
+#: op and group after the caller let go of it.
+SPAN_MEMO_BYTES = 1 << 20
 #: The plans' tensor checks (facts.py): compiled once :func:`driver` ran.
 _plan_key, _key, _span_at = _facts.plan_key, _facts.key, _facts.span
 
