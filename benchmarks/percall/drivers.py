@@ -7,7 +7,7 @@ compiled driver (facts.cpp's ``drive``) and through the pure-Python one
 
 The calls and the raw mpi4py reference are hotpath.py's (same ops, sizes,
 checks and styles); the two drivers serve the same API functions, swapped
-between rounds (``api._run``), so both run in the same process on the same
+between rounds (``api.run_op``), so both run in the same process on the same
 plans. For every op, size and style, ``R`` rounds time the three variants in
 turn (reversed every other round); a round's figure is the slowest rank's;
 the report is the median time of each and the median per-round ratio
@@ -45,7 +45,7 @@ def main() -> int:
 
     mcrdl.init_process_group(backends=["mpi"])
     from mpi4py import MPI
-    drivers = {"compiled": api._run, "python": ops.run}
+    drivers = {"compiled": api.run_op, "python": ops.run}
     if drivers["compiled"] is ops.run:
         raise SystemExit("the compiled driver is not loaded here (no C++ compiler, or MCRDL_NATIVE=0)")
     comm = MPI.COMM_WORLD.Dup()
@@ -56,7 +56,7 @@ def main() -> int:
 
     def through(driver, call):
         def fn():
-            api._run = driver
+            api.run_op = driver
             call()
         return fn
 
@@ -88,7 +88,7 @@ def main() -> int:
                                   "compiled_vs_python": statistics.median(ratios), "ratios": ratios}
                 results.append(row)
                 progress.advance(task)
-    api._run = drivers["compiled"]
+    api.run_op = drivers["compiled"]
     if rank == 0:
         table = Table(title=f"compiled / Python driver per call, {world} ranks, MPI, median of {args.rounds} "
                             "rounds (µs: compiled, Python, raw mpi4py)")

@@ -25,7 +25,11 @@ from .types import P2POp, ReduceOp
 from .work import DEFAULT_TIMEOUT, Work, _seconds
 
 _runtime: Optional[Runtime] = None
-_run = ops.run  # (the compiled driver once init has loaded it)
+#: The driver every op call goes through, ``run_op(runtime, op, group, async_op, backend,
+#: tensors, fixed=(), splits=None)`` with an :mod:`mcrdl.ops` description: facts.cpp's
+#: compiled ``drive`` once init has loaded it, else :func:`mcrdl.ops.run`. Internal
+#: surface: the torch backend calls it without the layer of this module's functions.
+run_op = ops.run
 
 
 # -- lifecycle -------------------------------------------------------------------------
@@ -56,10 +60,10 @@ def init_process_group(backends: Union[None, str, Sequence[str]] = None, default
     collective from the job's own first calls (or ``MCRDL_AUTOTUNE=1``; see
     :mod:`mcrdl.autotune`).
     """
-    global _runtime, _run
+    global _runtime, run_op
     if _runtime is not None:
         raise RuntimeError("mcrdl is already initialized; call destroy_process_group() first")
-    _run = ops.driver()
+    run_op = ops.driver()
     _runtime = Runtime(backends, default_backend, _seconds(timeout), op_backends, tuning_table, debug,
                        comms_log, store, rank, world_size, autotune)
     atexit.register(destroy_process_group)  # runs before mpi4py's MPI_Finalize
@@ -272,39 +276,39 @@ def autotune_report() -> Optional[dict]:
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Optional[Group] = None,
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` across the group, in place on every rank."""
-    return _run(_runtime, ops.ALL_REDUCE, group, async_op, backend, (tensor,), (op,))
+    return run_op(_runtime, ops.ALL_REDUCE, group, async_op, backend, (tensor,), (op,))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Optional[Group] = None,
               async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Copy ``tensor`` from global rank ``src`` to every rank of the group."""
-    return _run(_runtime, ops.BROADCAST, group, async_op, backend, (tensor,), (src,))
+    return run_op(_runtime, ops.BROADCAST, group, async_op, backend, (tensor,), (src,))
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Optional[Group] = None,
            async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``tensor`` onto global rank ``dst`` (other ranks' tensors are scratch)."""
-    return _run(_runtime, ops.REDUCE, group, async_op, backend, (tensor,), (dst, op))
+    return run_op(_runtime, ops.REDUCE, group, async_op, backend, (tensor,), (dst, op))
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                            group: Optional[Group] = None, async_op: bool = False,
                            backend: Optional[str] = None) -> Optional[Work]:
     """Concatenate every rank's ``input_tensor`` into ``output_tensor`` (dim 0)."""
-    return _run(_runtime, ops.ALL_GATHER_INTO_TENSOR, group, async_op, backend, (output_tensor, input_tensor))
+    return run_op(_runtime, ops.ALL_GATHER_INTO_TENSOR, group, async_op, backend, (output_tensor, input_tensor))
 
 
 def all_gather(tensor_list: List[torch.Tensor], tensor: torch.Tensor, group: Optional[Group] = None,
                async_op: bool = False, backend: Optional[str] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
-    return _run(_runtime, ops.ALL_GATHER, group, async_op, backend, (tensor_list, tensor))
+    return run_op(_runtime, ops.ALL_GATHER, group, async_op, backend, (tensor_list, tensor))
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                           group: Optional[Group] = None, async_op: bool = False,
                           backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``input`` across ranks and leave block ``rank`` of it in ``output``."""
-    return _run(_runtime, ops.REDUCE_SCATTER_TENSOR, group, async_op, backend, (output, input), (op,))
+    return run_op(_runtime, ops.REDUCE_SCATTER_TENSOR, group, async_op, backend, (output, input), (op,))
 
 
 #: torch 2.13's names for the same two calls (it deprecates the ones above).
@@ -316,21 +320,21 @@ def reduce_scatter(output: torch.Tensor, input_list: List[torch.Tensor], op=Redu
                    group: Optional[Group] = None, async_op: bool = False,
                    backend: Optional[str] = None) -> Optional[Work]:
     """Reduce ``input_list[i]`` across ranks into ``output`` on group rank ``i``."""
-    return _run(_runtime, ops.REDUCE_SCATTER, group, async_op, backend, (output, input_list), (op,))
+    return run_op(_runtime, ops.REDUCE_SCATTER, group, async_op, backend, (output, input_list), (op,))
 
 
 def gather(tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
            group: Optional[Group] = None, async_op: bool = False,
            backend: Optional[str] = None) -> Optional[Work]:
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst``."""
-    return _run(_runtime, ops.GATHER, group, async_op, backend, (gather_list, tensor), (dst,))
+    return run_op(_runtime, ops.GATHER, group, async_op, backend, (gather_list, tensor), (dst,))
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
             group: Optional[Group] = None, async_op: bool = False,
             backend: Optional[str] = None) -> Optional[Work]:
     """Scatter ``scatter_list[i]`` from global rank ``src`` to group rank ``i``'s ``tensor``."""
-    return _run(_runtime, ops.SCATTER, group, async_op, backend, (tensor, scatter_list), (src,))
+    return run_op(_runtime, ops.SCATTER, group, async_op, backend, (tensor, scatter_list), (src,))
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
@@ -342,7 +346,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     agree on passing them or not, as with torch's MPI backend: without, MPI
     runs the faster Alltoall)."""
     splits = None if not output_split_sizes and not input_split_sizes else (output_split_sizes, input_split_sizes)
-    return _run(_runtime, ops.ALL_TO_ALL_SINGLE, group, async_op, backend, (output, input), (), splits)
+    return run_op(_runtime, ops.ALL_TO_ALL_SINGLE, group, async_op, backend, (output, input), (), splits)
 
 
 def all_to_all(output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
@@ -437,20 +441,20 @@ def monitored_barrier(group: Optional[Group] = None, timeout: Union[None, timede
 def isend(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
           backend: Optional[str] = None) -> Optional[Work]:
     """Start sending ``tensor`` to global rank ``dst``."""
-    return _run(_runtime, ops.ISEND, group, True, backend, (tensor,), (dst, tag))
+    return run_op(_runtime, ops.ISEND, group, True, backend, (tensor,), (dst, tag))
 
 
 def irecv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group] = None,
           tag: int = 0, backend: Optional[str] = None) -> Optional[Work]:
     """Start receiving into ``tensor`` from global rank ``src`` (None: from any
     rank of the group; ``Work.source_rank()`` names it)."""
-    return _run(_runtime, ops.IRECV, group, True, backend, (tensor,), (src, tag))
+    return run_op(_runtime, ops.IRECV, group, True, backend, (tensor,), (src, tag))
 
 
 def send(tensor: torch.Tensor, dst: int, group: Optional[Group] = None, tag: int = 0,
          backend: Optional[str] = None) -> None:
     """Send ``tensor`` to global rank ``dst`` and wait until it is sent."""
-    _run(_runtime, ops.SEND, group, False, backend, (tensor,), (dst, tag))
+    run_op(_runtime, ops.SEND, group, False, backend, (tensor,), (dst, tag))
 
 
 def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group] = None,
@@ -458,9 +462,9 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group: Optional[Group]
     """Receive into ``tensor`` from global rank ``src`` (None: from any rank of
     the group); returns the sender's global rank (-1 on a non-member)."""
     if src is not None:
-        _run(_runtime, ops.RECV, group, False, backend, (tensor,), (src, tag))
+        run_op(_runtime, ops.RECV, group, False, backend, (tensor,), (src, tag))
         return src if group is None or group.rank >= 0 else -1
-    work = _run(_runtime, ops.IRECV, group, True, backend, (tensor,), (src, tag))
+    work = run_op(_runtime, ops.IRECV, group, True, backend, (tensor,), (src, tag))
     if work is None:
         return -1
     work.wait()

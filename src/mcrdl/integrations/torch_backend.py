@@ -11,7 +11,7 @@
 
 Afterwards ``torch.distributed`` collectives on the group, and
 ``DistributedDataParallel`` built on it, run through mcrdl: every call goes
-through :mod:`mcrdl.api`, so the selector (``backend=`` > static map >
+through mcrdl's op path, so the selector (``backend=`` > static map >
 tuning table > default) picks MPI, gloo or NCCL per op and message size, with
 mcrdl's progress, ordering and deadline guarantees, and the comms logger
 records them.
@@ -27,8 +27,9 @@ torch and mcrdl agree on rank and size, and returns a
 (``dist.all_reduce`` ...) reach its methods by attribute lookup; calls from
 C++ (DDP's reducer, parameter broadcast and shape check) reach the methods
 torch's ``PyProcessGroup`` trampoline forwards to Python (``allreduce``,
-``broadcast``, ``allgather``, ...). Each method calls mcrdl's API and returns
-a :class:`MCRDLTorchWork` (a Python ``torch.distributed.Work``) whose
+``broadcast``, ``allgather``, ...). Each method runs its op through mcrdl's
+driver (:data:`mcrdl.api.run_op`, what the API's functions call, with the op's
+:mod:`mcrdl.ops` description) and returns a :class:`MCRDLTorchWork` (a Python ``torch.distributed.Work``) whose
 ``wait()`` drives mcrdl's progress engine and whose ``get_future()`` is
 completed by mcrdl's futures thread, as DDP requires.
 
@@ -44,7 +45,7 @@ import mcrdl_torch_plugin as plugin_module
 import torch
 import torch.distributed as dist
 
-from .. import api
+from .. import api, ops
 from ..runtime import Group
 from ..types import ReduceOp, UnsupportedError
 
@@ -355,16 +356,28 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         return (self._coalescing is None and opts is not None
                 and getattr(opts, "asyncOp", True) is False)
 
-    def _run(self, op: str, opts, start: Callable[[bool], object], result) -> Optional[MCRDLTorchWork]:
-        """``start(async_op)`` issues one mcrdl op. A blocking op returns no Work:
-        torch's API waits only on a Work it gets ("the backend has sync'ed")."""
+    def _start(self, name: str, opts, op: ops.Op, tensors: tuple, fixed: tuple, result,
+               splits=None) -> Optional[MCRDLTorchWork]:
+        """Run ``op`` on the group through mcrdl's driver, as the API's functions do
+        (without their layer). A blocking op returns no Work: torch's API waits
+        only on a Work it gets ("the backend has sync'ed")."""
+        if self._coalescing is None and opts is not None and getattr(opts, "asyncOp", True) is False:
+            api.run_op(api.current_runtime(), op, self._g, False, None, tensors, fixed, splits)
+            return None
+        work = api.run_op(api.current_runtime(), op, self._g, True, None, tensors, fixed, splits)
+        if self._coalescing is not None and work is not None:
+            self._coalescing.append(work)
+        return MCRDLTorchWork(work, result, name)
+
+    def _run(self, name: str, opts, start: Callable[[bool], object], result) -> Optional[MCRDLTorchWork]:
+        """As :meth:`_start`, for an op the API adapts: ``start(async_op)`` issues it."""
         if self._sync(opts):
             start(False)
             return None
         work = start(True)
         if self._coalescing is not None and work is not None:
             self._coalescing.append(work)
-        return MCRDLTorchWork(work, result, op)
+        return MCRDLTorchWork(work, result, name)
 
     def _run_many(self, op: str, opts, starts: Sequence[Callable[[], object]],
                   result) -> Optional[MCRDLTorchWork]:
@@ -387,7 +400,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
                 raise UnsupportedError(f"{op}: sparse tensors reduce with SUM only (as gloo), not {rop.name}")
             _sparse_all_reduce(t, g)
             return MCRDLTorchWork(None, [t], op)
-        return self._run(op, opts, lambda a: api.all_reduce(t, rop, group=g, async_op=a), [t])
+        return self._start(op, opts, ops.ALL_REDUCE, (t,), (rop,), [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = "allreduce_coalesced"
@@ -405,8 +418,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         if opts is not None and getattr(opts, "rootTensor", 0) != 0:
             raise BackendError(f"{op}: rootTensor {opts.rootTensor} is not supported (one tensor per process)")
         src = self._global(opts.rootRank if opts is not None else 0, "broadcast root")
-        g = self._g
-        return self._run(op, opts, lambda a: api.broadcast(t, src, group=g, async_op=a), [t])
+        return self._start(op, opts, ops.BROADCAST, (t,), (src,), [t])
 
     def reduce(self, tensors, opts=None):
         op = "reduce"
@@ -415,16 +427,13 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             raise BackendError(f"{op}: rootTensor {opts.rootTensor} is not supported (one tensor per process)")
         rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, t.dtype)
         dst = self._global(opts.rootRank if opts is not None else 0, "reduce root")
-        g = self._g
-        return self._run(op, opts, lambda a: api.reduce(t, dst, rop, group=g, async_op=a), [t])
+        return self._start(op, opts, ops.REDUCE, (t,), (dst, rop), [t])
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         op = "allgather"
         out = _one(op, output_tensors, "output list")
         inp = _one(op, input_tensors)
-        g = self._g
-        return self._run(op, opts, lambda a: api.all_gather(list(out), inp, group=g, async_op=a),
-                         output_tensors)
+        return self._start(op, opts, ops.ALL_GATHER, (list(out), inp), (), output_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """``output_lists[r][i]``: rank r's ``input_list[i]`` (torch's layout)."""
@@ -440,9 +449,8 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             for i in range(len(input_list))], output_lists)
 
     def all_gather_single(self, output, input, opts=None):
-        g = self._g
-        return self._run("all_gather_single", opts, lambda a: api.all_gather_into_tensor(
-            output, input, group=g, async_op=a), [output])
+        return self._start("all_gather_single", opts, ops.ALL_GATHER_INTO_TENSOR, (output, input), (),
+                           [output])
 
     _allgather_base = all_gather_single  # torch < 2.11 name
 
@@ -462,16 +470,12 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         out = _one(op, output_tensors)
         inp = _one(op, input_lists, "input list")
         rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, out.dtype)
-        g = self._g
-        return self._run(op, opts, lambda a: api.reduce_scatter(out, list(inp), rop, group=g,
-                                                                async_op=a), [out])
+        return self._start(op, opts, ops.REDUCE_SCATTER, (out, list(inp)), (rop,), [out])
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = "reduce_scatter_single"
         rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, output.dtype)
-        g = self._g
-        return self._run(op, opts, lambda a: api.reduce_scatter_tensor(output, input, rop, group=g,
-                                                                       async_op=a), [output])
+        return self._start(op, opts, ops.REDUCE_SCATTER_TENSOR, (output, input), (rop,), [output])
 
     _reduce_scatter_base = reduce_scatter_single  # torch < 2.11 name
 
@@ -490,11 +494,10 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # older name
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        out_splits = [int(s) for s in output_split_sizes] or None
-        in_splits = [int(s) for s in input_split_sizes] or None
-        g = self._g
-        return self._run("all_to_all_single", opts, lambda a: api.all_to_all_single(
-            output, input, out_splits, in_splits, group=g, async_op=a), [output])
+        splits = None if not output_split_sizes and not input_split_sizes else (
+            [int(s) for s in output_split_sizes] or None, [int(s) for s in input_split_sizes] or None)
+        return self._start("all_to_all_single", opts, ops.ALL_TO_ALL_SINGLE, (output, input), (), [output],
+                           splits)
 
     alltoall_base = all_to_all_single  # torch < 2.11 name
 
@@ -513,9 +516,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             if output_tensors and any(len(o) for o in output_tensors):
                 raise ValueError(f"{op}: output tensors given on non-root rank {self._g.rank}")
             gather_list = None
-        g = self._g
-        return self._run(op, opts, lambda a: api.gather(inp, gather_list, dst, group=g, async_op=a),
-                         output_tensors)
+        return self._start(op, opts, ops.GATHER, (gather_list, inp), (dst,), output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         op = "scatter"
@@ -527,37 +528,32 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             if input_tensors and any(len(i) for i in input_tensors):
                 raise ValueError(f"{op}: input tensors given on non-root rank {self._g.rank}")
             scatter_list = None
-        g = self._g
-        return self._run(op, opts, lambda a: api.scatter(out, scatter_list, src, group=g,
-                                                         async_op=a), [out])
+        return self._start(op, opts, ops.SCATTER, (out, scatter_list), (src,), [out])
 
     def barrier(self, opts=None):
         g = self._g
         return self._run("barrier", opts, lambda a: api.barrier(group=g, async_op=a), [])
 
     # -- point to point ---------------------------------------------------------------------
+    def _p2p(self, name: str, op: ops.Op, t: torch.Tensor, peer: Optional[int], tag) -> MCRDLTorchWork:
+        """torch's send and recv are always async: mcrdl's isend/irecv through the driver."""
+        work = api.run_op(api.current_runtime(), op, self._g, True, None, (t,), (peer, int(tag)))
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return MCRDLTorchWork(work, [t], name)
+
     def send(self, tensors, dstRank, tag=0):
         t = _one("send", tensors)
         dst = self._global(int(dstRank), "send dst")
-        work = api.isend(t, dst, group=self._g, tag=int(tag))
-        if self._coalescing is not None:
-            self._coalescing.append(work)
-        return MCRDLTorchWork(work, [t], "send")
+        return self._p2p("send", ops.ISEND, t, dst, tag)
 
     def recv(self, tensors, srcRank, tag=0):
         t = _one("recv", tensors)
         src = self._global(int(srcRank), "recv src")
-        work = api.irecv(t, src, group=self._g, tag=int(tag))
-        if self._coalescing is not None:
-            self._coalescing.append(work)
-        return MCRDLTorchWork(work, [t], "recv")
+        return self._p2p("recv", ops.IRECV, t, src, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        t = _one("recv", tensors)
-        work = api.irecv(t, None, group=self._g, tag=int(tag))
-        if self._coalescing is not None:
-            self._coalescing.append(work)
-        return MCRDLTorchWork(work, [t], "recvAnySource")
+        return self._p2p("recvAnySource", ops.IRECV, _one("recv", tensors), None, tag)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         api.monitored_barrier(self._g, timeout, wait_all_ranks=bool(wait_all_ranks))
