@@ -68,7 +68,9 @@ BAD_CALLS = """
 import torch
 from mpi4py import MPI
 from mcrdl.backends import native
+from mcrdl.backends.mpi import MPIPending
 from mcrdl.types import CommError
+from mcrdl.work import DONE
 mod = native.load()
 t = torch.zeros(4)
 def refused(call, error, words):
@@ -79,15 +81,31 @@ def refused(call, error, words):
     else:
         raise AssertionError(f"no {error.__name__}")
 comm = MPI.COMM_SELF
-refused(lambda: mod.allreduce(comm, t.data_ptr(), 2**31, MPI.FLOAT, MPI.SUM, 1.0), OverflowError, ["2147483648"])
-refused(lambda: mod.alltoallv(comm, t.data_ptr(), [2**31], t.data_ptr(), [1], MPI.FLOAT, 1.0),
-        OverflowError, ["C int"])
-refused(lambda: mod.alltoallv(comm, t.data_ptr(), [-1], t.data_ptr(), [1], MPI.FLOAT, 1.0),
-        ValueError, ["negative"])
-refused(lambda: mod.send(comm, t.data_ptr(), 4, MPI.FLOAT, 7, 0, 1.0), CommError,
+Starter = mod.Starter
+refused(lambda: Starter("all_reduce", comm, MPI.FLOAT, 2**31, 1.0, MPIPending, MPI.SUM), OverflowError,
+        ["2147483648"])
+a2a = Starter("all_to_all_single", comm, MPI.FLOAT, 4, 1.0, MPIPending)
+refused(lambda: a2a(t, t, [1], [2**31]), OverflowError, ["C int"])
+refused(lambda: a2a(t, t, [1], [-1]), ValueError, ["negative"])
+refused(lambda: a2a(t, t, [1, 1], [2]), ValueError, ["expected 1 counts"])
+refused(lambda: Starter("send", comm, MPI.FLOAT, 4, 1.0, MPIPending, root=7)(t), CommError,
         ["MPI_Isend on backend 'mpi' failed", "Invalid rank"])
-refused(lambda: mod.bcast(comm, t.data_ptr(), 4, "float", 0, 1.0), TypeError, [])
-mod.allreduce(comm, t.data_ptr(), 4, MPI.FLOAT, MPI.SUM, 1.0)  # still usable
+refused(lambda: Starter("broadcast", comm, "float", 4, 1.0, MPIPending), TypeError, [])
+refused(lambda: Starter("all_reduce", comm, MPI.FLOAT, 4, 1.0, MPIPending), TypeError, [])  # no reduction
+refused(lambda: Starter("barrier", comm, MPI.FLOAT, 4, 1.0, MPIPending), ValueError, ["no compiled form", "barrier"])
+refused(lambda: Starter("broadcast", comm, MPI.FLOAT, 4, 1.0, MPIPending)(t, t), TypeError,
+        ["broadcast starter takes 1 arguments (2 given)"])
+refused(lambda: Starter("broadcast", comm, MPI.FLOAT, 4, 1.0, MPIPending)(4), AttributeError, ["data_ptr"])
+t += 1
+assert Starter("all_reduce", comm, MPI.FLOAT, 4, 1.0, MPIPending, MPI.SUM)(t) is DONE and t.tolist() == [1] * 4
+out = torch.zeros(4)
+assert Starter("all_to_all_single", comm, MPI.FLOAT, 0, 1.0, MPIPending)(out, t, [4], [4]) is DONE  # uneven
+assert out.tolist() == [1] * 4
+# a start that only starts (timeout 0) returns its request, wrapped with the tensors it keeps alive
+pending = Starter("all_gather_into_tensor", comm, MPI.FLOAT, 4, 0.0, MPIPending)(out, t)
+assert type(pending) is MPIPending and pending.keep == (out, t), pending.keep
+while not pending.test():
+    pass
 print("BAD CALLS OK")
 """
 

@@ -6,7 +6,8 @@
 // subclass takes the general path). torch's errors raise as they do in Python.
 // ranges() is the exception: it reads any strided tensor with storage (the
 // memory an async op touches, for the order check), CUDA ones too.
-// drive() is ops.run's compiled twin for the calls that run from a plan.
+// drive() is ops.run's compiled twin for the calls that run from a plan; it
+// starts the compiled MPI starters (adopt()) itself.
 #include <Python.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
@@ -326,6 +327,12 @@ struct Driver {
     Py_ssize_t name, recipe, at, listed, at_root, collective, split, async_plan, last; // Op's field indices
 } D;
 
+// The compiled MPI starters (backends/mpi_native.c's Starter) and their start
+// on addresses read here, set by adopt(): drive() starts them without Python.
+typedef PyObject *(*start_fn)(PyObject *starter, void *const *addr, PyObject *const *args, Py_ssize_t n);
+PyTypeObject *starter_type = nullptr;
+start_fn starter_start = nullptr;
+
 PyObject *s_debug, *s_engine, *s_lost, *s_outstanding, *s_observer, *s_world, *s_rank, *s_starters,
     *s_size, *s_enabled;
 
@@ -541,7 +548,16 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         if (nbytes == 0) // every rank skips a zero-byte collective
             Py_RETURN_NONE;
     }
-    PyObject *pending = PyObject_Vectorcall(PyTuple_GET_ITEM(plan, 1), argv, argc, nullptr);
+    PyObject *start = PyTuple_GET_ITEM(plan, 1), *pending;
+    if (Py_TYPE(start) == starter_type) { // the tensors' addresses (the plan fits them: CPU, contiguous)
+        void *addr[2] = {nullptr, nullptr};
+        for (Py_ssize_t i = 0; i < 2 && i < argc; i++)
+            if (THPVariable_Check(argv[i]))
+                addr[i] = THPVariable_Unpack(argv[i]).data_ptr();
+        pending = starter_start(start, addr, argv, argc);
+    } else {
+        pending = PyObject_Vectorcall(start, argv, argc, nullptr);
+    }
     if (pending == nullptr || pending == D.done) {
         Py_XDECREF(pending);
         return pending == nullptr ? nullptr : (Py_INCREF(Py_None), Py_None);
@@ -599,11 +615,31 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
+// adopt(Starter, start capsule): the compiled MPI starters drive() calls directly.
+PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs("adopt", n, 2))
+        return nullptr;
+    void *fn = PyCapsule_GetPointer(args[1], "mcrdl_mpi_native.start");
+    if (fn == nullptr)
+        return nullptr;
+    if (!PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "adopt: the Starter type and its start capsule");
+        return nullptr;
+    }
+    if (starter_type != reinterpret_cast<PyTypeObject *>(args[0]))
+        Py_INCREF(args[0]); // (kept for the process's life, as the module is)
+    starter_type = reinterpret_cast<PyTypeObject *>(args[0]);
+    starter_start = reinterpret_cast<start_fn>(fn);
+    Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"key", key, METH_O, nullptr},
     {"plan_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(plan_key)), METH_FASTCALL, nullptr},
     {"drive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(drive)), METH_FASTCALL, nullptr},
     {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(setup)), METH_FASTCALL, nullptr},
+    {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(adopt)), METH_FASTCALL, nullptr},
     {"pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pair)), METH_FASTCALL, nullptr},
     {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL, nullptr},
     {"ranges", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ranges)), METH_FASTCALL, nullptr},

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .. import settings
+from .. import facts, settings
 from ..types import ReduceOp
 from ..work import DONE, Pending, busy_seconds, current_stream, spin_until
 from . import native as native_path
@@ -304,6 +304,8 @@ class MPIBackend(Backend):
         self.native = native_path.load()
         if self.native is not None:
             self.native.set_busy(busy_seconds())
+            if facts.load() is not facts:  # the compiled driver starts its starters without Python
+                facts.load().adopt(self.native.Starter, self.native.start)
         self.rows_rule = rows_rule(self.version())
         if "cuda" in self.devices:
             self.order_after_streams()
@@ -475,113 +477,68 @@ class MPIBackend(Backend):
         iallreduce, in_place, fromaddress, mop = comm.Iallreduce, self._in_place, self._fromaddress, self.reduce_ops[op]
         return lambda t: MPIPending(iallreduce(in_place, [fromaddress(t.data_ptr(), t.nbytes), dt], mop), t)
 
-    # Each builds start(*args) -> DONE, or the still-pending request after
-    # ``timeout`` (None: the op or dtype has no compiled form here).
+    # Each builds the op's compiled starter (mpi_native.c's Starter: start(*args)
+    # -> DONE, or the still-pending request after ``timeout``), or None where
+    # the op or dtype has no compiled form here.
     def _native_all_reduce(self, comm, timeout, t, op):
         dt = self.reduce_types.get(t.dtype)
-        if dt is None:
-            return None
-        run, count, mop = self.native.allreduce, t.numel(), self.reduce_ops[op]
-
-        def start(t):
-            r = run(comm, t.data_ptr(), count, dt, mop, timeout)
-            return DONE if r is None else MPIPending(r, t)
-        return start
+        return None if dt is None else self.native.Starter("all_reduce", comm, dt, t.numel(), timeout, MPIPending,
+                                                           self.reduce_ops[op])
 
     def _native_broadcast(self, comm, timeout, t, root):
-        run, count, dt = self.native.bcast, t.numel(), self.move_types[t.dtype]
-
-        def start(t):
-            r = run(comm, t.data_ptr(), count, dt, root, timeout)
-            return DONE if r is None else MPIPending(r, t)
-        return start
+        return self.native.Starter("broadcast", comm, self.move_types[t.dtype], t.numel(), timeout, MPIPending,
+                                   root=root)
 
     def _native_reduce(self, comm, timeout, t, root, op):
         dt = self.reduce_types.get(t.dtype)
-        if dt is None:
-            return None
-        run, count, mop, is_root = self.native.reduce, t.numel(), self.reduce_ops[op], comm.Get_rank() == root
-
-        def start(t):
-            r = run(comm, t.data_ptr(), count, dt, mop, root, is_root, timeout)
-            return DONE if r is None else MPIPending(r, t)
-        return start
+        return None if dt is None else self.native.Starter("reduce", comm, dt, t.numel(), timeout, MPIPending,
+                                                           self.reduce_ops[op], root)
 
     def _native_all_gather_into_tensor(self, comm, timeout, output, input):
-        run, count, dt = self.native.allgather, input.numel(), self.move_types[input.dtype]
-
-        def start(out, inp):
-            r = run(comm, inp.data_ptr(), out.data_ptr(), count, dt, timeout)
-            return DONE if r is None else MPIPending(r, inp, out)
-        return start
+        return self.native.Starter("all_gather_into_tensor", comm, self.move_types[input.dtype], input.numel(),
+                                   timeout, MPIPending)
 
     def _native_reduce_scatter_tensor(self, comm, timeout, output, input, op):
         if self._by_rows(comm, output, op):
             return self._native_rows(comm, timeout, output, op)
         dt = self.reduce_types.get(output.dtype)
-        if dt is None:
-            return None
-        run, count, mop = self.native.reduce_scatter_block, output.numel(), self.reduce_ops[op]
-
-        def start(out, inp):
-            r = run(comm, inp.data_ptr(), out.data_ptr(), count, dt, mop, timeout)
-            return DONE if r is None else MPIPending(r, inp, out)
-        return start
+        return None if dt is None else self.native.Starter("reduce_scatter_tensor", comm, dt, output.numel(),
+                                                           timeout, MPIPending, self.reduce_ops[op])
 
     def _native_rows(self, comm, timeout, output, op):
         """reduce_scatter_tensor as the compiled all-to-all, then the local reduction."""
-        run, n, count, dt = self.native.alltoall, comm.Get_size(), output.numel(), self.move_types[output.dtype]
+        n, count = comm.Get_size(), output.numel()
+        run = self.native.Starter("all_to_all_single", comm, self.move_types[output.dtype], count, timeout,
+                                  MPIPending)
 
         def start(out, inp):
             rows = torch.empty((n, count), dtype=inp.dtype)
-            r = run(comm, inp.data_ptr(), rows.data_ptr(), count, dt, timeout)
-            if r is None:
+            pending = run(rows, inp, None, None)
+            if pending is DONE:
                 reduce_rows(rows, out, op)
                 return DONE
-            return _Finish(MPIPending(r, inp, rows), lambda: reduce_rows(rows, out, op), contextlib.nullcontext)
+            return _Finish(pending, lambda: reduce_rows(rows, out, op), contextlib.nullcontext)
         return start
 
     def _native_gather(self, comm, timeout, output, input, root):
-        run, count, dt = self.native.gather, input.numel(), self.move_types[input.dtype]
-
-        def start(out, inp):
-            r = run(comm, inp.data_ptr(), None if out is None else out.data_ptr(), count, dt, root, timeout)
-            return DONE if r is None else MPIPending(r, inp, out)
-        return start
+        return self.native.Starter("gather", comm, self.move_types[input.dtype], input.numel(), timeout,
+                                   MPIPending, root=root)
 
     def _native_scatter(self, comm, timeout, output, input, root):
-        run, count, dt = self.native.scatter, output.numel(), self.move_types[output.dtype]
-
-        def start(out, inp):
-            r = run(comm, None if inp is None else inp.data_ptr(), out.data_ptr(), count, dt, root, timeout)
-            return DONE if r is None else MPIPending(r, inp, out)
-        return start
+        return self.native.Starter("scatter", comm, self.move_types[output.dtype], output.numel(), timeout,
+                                   MPIPending, root=root)
 
     def _native_all_to_all_single(self, comm, timeout, output, input):
-        even, uneven, dt = self.native.alltoall, self.native.alltoallv, self.move_types[input.dtype]
-        count = input.numel() // comm.Get_size()
-
-        def start(out, inp, out_counts, in_counts):
-            if in_counts is None:
-                r = even(comm, inp.data_ptr(), out.data_ptr(), count, dt, timeout)
-            else:
-                r = uneven(comm, inp.data_ptr(), in_counts, out.data_ptr(), out_counts, dt, timeout)
-            return DONE if r is None else MPIPending(r, inp, out)
-        return start
+        return self.native.Starter("all_to_all_single", comm, self.move_types[input.dtype],
+                                   input.numel() // comm.Get_size(), timeout, MPIPending)
 
     def _native_send(self, comm, timeout, t, peer, tag):
-        return self._native_p2p(self.native.send, comm, timeout, t, peer, tag)
+        return self.native.Starter("send", comm, self.move_types[t.dtype], t.numel(), timeout, MPIP2PPending,
+                                   root=peer, tag=tag)
 
     def _native_recv(self, comm, timeout, t, peer, tag):
-        return self._native_p2p(self.native.recv, comm, timeout, t, peer, tag)
-
-    def _native_p2p(self, run, comm, timeout, t, peer, tag):
-        count, dt = t.numel(), self.move_types[t.dtype]
-
-        def start(t):
-            r = run(comm, t.data_ptr(), count, dt, peer, tag, timeout)
-            return DONE if r is None else MPIP2PPending(r, t)
-        return start
+        return self.native.Starter("recv", comm, self.move_types[t.dtype], t.numel(), timeout, MPIP2PPending,
+                                   root=peer, tag=tag)
 
     def broadcast(self, comm, tensor, root):
         return MPIPending(comm.Ibcast(self._buf(tensor), root), tensor)

@@ -1,22 +1,24 @@
-/* mcrdl's compiled MPI hot path: one call starts a nonblocking MPI operation
- * on raw CPU addresses and waits for it, without the GIL, under mcrdl's wait
- * policy and a deadline. Built against the MPI that mpi4py uses (see
- * native.py); communicators, datatypes and ops come in as mpi4py objects.
+/* mcrdl's compiled MPI hot path: a Starter starts one nonblocking MPI
+ * operation on raw CPU addresses and waits for it, without the GIL, under
+ * mcrdl's wait policy and a deadline. Built against the MPI that mpi4py uses
+ * (see native.py); communicators, datatypes and ops come in as mpi4py objects.
  *
- * Every op returns None once complete, or, when `timeout` seconds pass first,
- * the still-pending mpi4py Request (the caller abandons it; MPI may still
- * write the buffers, which the caller keeps alive). A `timeout` of 0 or less
- * only starts the op and returns its Request: the async fast paths, whose
- * requests the engine tracks. MPI errors raise the
- * class given to set_error (mcrdl's CommError) naming the MPI call and MPI's
- * message; counts outside C int raise OverflowError. */
+ * A start returns DONE once complete, or, when `timeout` seconds pass first,
+ * the still-pending request wrapped by the starter's `pending` (the caller
+ * abandons it; MPI may still write the buffers, which it keeps alive). A
+ * `timeout` of 0 or less only starts the op: the async fast paths, whose
+ * requests the engine tracks. MPI errors raise the class given to setup
+ * (mcrdl's CommError) naming the MPI call and MPI's message; counts outside
+ * C int raise OverflowError. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <mpi.h>
 #include <mpi4py/mpi4py.h>
 #include <limits.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 /* Seconds a wait polls without giving up the CPU: 0 (yield policy: only the
@@ -24,7 +26,7 @@
 #define FIRST_POLLS 200
 #define SPIN_S 1e-3
 static double busy_s = 0.0;
-static PyObject *error_class = NULL; /* set_error(); RuntimeError until then */
+static PyObject *error_class = NULL; /* setup(); RuntimeError until then */
 
 static double now_s(void)
 {
@@ -107,21 +109,7 @@ static PyObject *finish(int rc, MPI_Request req, double timeout, const char *cal
     Py_RETURN_NONE;
 }
 
-/* Argument helpers: NULL / -1 with a Python error set on a bad argument. */
-static int nargs(Py_ssize_t n, Py_ssize_t want, const char *name)
-{
-    if (n == want)
-        return 0;
-    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments (%zd given)", name, want, n);
-    return -1;
-}
-
-static int as_address(PyObject *o, void **out)
-{
-    *out = o == Py_None ? NULL : PyLong_AsVoidPtr(o);
-    return *out == NULL && PyErr_Occurred() ? -1 : 0;
-}
-
+/* An int argument that fits C int; -1 with OverflowError otherwise. */
 static int as_int(PyObject *o, int *out)
 {
     long long v = PyLong_AsLongLong(o);
@@ -133,142 +121,6 @@ static int as_int(PyObject *o, int *out)
     }
     *out = (int)v;
     return 0;
-}
-
-#define ARGS(name, n_)                                                          \
-    if (nargs(n, n_, name) < 0)                                                 \
-        return NULL;                                                            \
-    MPI_Comm *comm = PyMPIComm_Get(a[0]);                                       \
-    if (comm == NULL)                                                           \
-        return NULL;                                                            \
-    double timeout = PyFloat_AsDouble(a[n_ - 1]);                               \
-    if (timeout == -1.0 && PyErr_Occurred())                                    \
-        return NULL;                                                            \
-    MPI_Request req = MPI_REQUEST_NULL;                                         \
-    int rc
-
-/* allreduce(comm, buf, count, datatype, op, timeout): in place. */
-static PyObject *allreduce(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("allreduce", 6);
-    void *buf;
-    int count;
-    MPI_Datatype *dt;
-    MPI_Op *op;
-    if (as_address(a[1], &buf) < 0 || as_int(a[2], &count) < 0
-        || !(dt = PyMPIDatatype_Get(a[3])) || !(op = PyMPIOp_Get(a[4])))
-        return NULL;
-    rc = MPI_Iallreduce(MPI_IN_PLACE, buf, count, *dt, *op, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Iallreduce");
-}
-
-/* bcast(comm, buf, count, datatype, root, timeout). */
-static PyObject *bcast(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("bcast", 6);
-    void *buf;
-    int count, root;
-    MPI_Datatype *dt;
-    if (as_address(a[1], &buf) < 0 || as_int(a[2], &count) < 0
-        || !(dt = PyMPIDatatype_Get(a[3])) || as_int(a[4], &root) < 0)
-        return NULL;
-    rc = MPI_Ibcast(buf, count, *dt, root, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Ibcast");
-}
-
-/* reduce(comm, buf, count, datatype, op, root, is_root, timeout): in place on the root. */
-static PyObject *reduce(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("reduce", 8);
-    void *buf;
-    int count, root, is_root;
-    MPI_Datatype *dt;
-    MPI_Op *op;
-    if (as_address(a[1], &buf) < 0 || as_int(a[2], &count) < 0
-        || !(dt = PyMPIDatatype_Get(a[3])) || !(op = PyMPIOp_Get(a[4]))
-        || as_int(a[5], &root) < 0 || as_int(a[6], &is_root) < 0)
-        return NULL;
-    if (is_root)
-        rc = MPI_Ireduce(MPI_IN_PLACE, buf, count, *dt, *op, root, *comm, &req);
-    else
-        rc = MPI_Ireduce(buf, NULL, count, *dt, *op, root, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Ireduce");
-}
-
-/* The send buffer, receive buffer, count and datatype of the ops below. */
-static int two_buffers(PyObject *const *a, void **sbuf, void **rbuf, int *count, MPI_Datatype **dt)
-{
-    if (as_address(a[1], sbuf) < 0 || as_address(a[2], rbuf) < 0 || as_int(a[3], count) < 0
-        || !(*dt = PyMPIDatatype_Get(a[4])))
-        return -1;
-    return 0;
-}
-
-/* Collectives with a send and a receive buffer and one count:
- * allgather(comm, sendbuf, recvbuf, count, datatype, timeout)          count sent per rank
- * alltoall(comm, sendbuf, recvbuf, count, datatype, timeout)           count per peer
- * reduce_scatter_block(comm, sendbuf, recvbuf, count, datatype, op, timeout)  count received
- * gather(comm, sendbuf, recvbuf or None, count, datatype, root, timeout)
- * scatter(comm, sendbuf or None, recvbuf, count, datatype, root, timeout) */
-static PyObject *allgather(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("allgather", 6);
-    void *sbuf, *rbuf;
-    int count;
-    MPI_Datatype *dt;
-    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0)
-        return NULL;
-    rc = MPI_Iallgather(sbuf, count, *dt, rbuf, count, *dt, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Iallgather");
-}
-
-static PyObject *alltoall(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("alltoall", 6);
-    void *sbuf, *rbuf;
-    int count;
-    MPI_Datatype *dt;
-    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0)
-        return NULL;
-    rc = MPI_Ialltoall(sbuf, count, *dt, rbuf, count, *dt, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Ialltoall");
-}
-
-static PyObject *reduce_scatter_block(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("reduce_scatter_block", 7);
-    void *sbuf, *rbuf;
-    int count;
-    MPI_Datatype *dt;
-    MPI_Op *op;
-    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0 || !(op = PyMPIOp_Get(a[5])))
-        return NULL;
-    rc = MPI_Ireduce_scatter_block(sbuf, rbuf, count, *dt, *op, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Ireduce_scatter_block");
-}
-
-static PyObject *gather(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("gather", 7);
-    void *sbuf, *rbuf;
-    int count, root;
-    MPI_Datatype *dt;
-    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0 || as_int(a[5], &root) < 0)
-        return NULL;
-    rc = MPI_Igather(sbuf, count, *dt, rbuf, count, *dt, root, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Igather");
-}
-
-static PyObject *scatter(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("scatter", 7);
-    void *sbuf, *rbuf;
-    int count, root;
-    MPI_Datatype *dt;
-    if (two_buffers(a, &sbuf, &rbuf, &count, &dt) < 0 || as_int(a[5], &root) < 0)
-        return NULL;
-    rc = MPI_Iscatter(sbuf, count, *dt, rbuf, count, *dt, root, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Iscatter");
 }
 
 /* counts[i] and their prefix sums (displacements) from a sequence of `size`
@@ -301,76 +153,266 @@ static int counts_of(PyObject *seq, int size, int *counts, int *displs)
     return ok;
 }
 
-/* alltoallv(comm, sendbuf, sendcounts, recvbuf, recvcounts, datatype, timeout).
- * MPI may read the count arrays until the op completes: after a timeout they
- * are left allocated. */
-static PyObject *alltoallv(PyObject *self, PyObject *const *a, Py_ssize_t n)
-{
-    ARGS("alltoallv", 7);
-    void *sbuf, *rbuf;
-    int size;
+/* A Starter is one op's start-and-wait with everything but the buffers fixed
+ * (a plan's start, see backends/mpi.py): Starter(op, comm, datatype, count,
+ * timeout, pending, reduction=None, root=0, tag=0), where `op` is the mcrdl
+ * op it runs, `root` is the root or the peer, `count` the elements of the
+ * single buffer (all_gather_into_tensor: sent; reduce_scatter_tensor:
+ * received; all_to_all_single's even form: per peer), `reduction` an MPI op.
+ * Called with the op's tensors (None for a buffer this rank does not pass;
+ * all_to_all_single also takes the output and input element counts per peer,
+ * or two Nones for even rows) it reads their addresses, starts the op and
+ * waits: DONE once complete, else pending(request, *tensors).
+ * The compiled driver (facts.cpp's drive) calls `starter_start` (exported as
+ * the capsule `start`) with addresses it read itself: no Python per call. */
+enum kind { ALL_REDUCE, BROADCAST, REDUCE, ALL_GATHER, REDUCE_SCATTER, GATHER, SCATTER, ALL_TO_ALL, SEND, RECV };
+static const struct {
+    const char *op;
+    int tensors, args; /* the tensors it takes; the arguments a call passes */
+} KINDS[] = {
+    {"all_reduce", 1, 1}, {"broadcast", 1, 1}, {"reduce", 1, 1}, {"all_gather_into_tensor", 2, 2},
+    {"reduce_scatter_tensor", 2, 2}, {"gather", 2, 2}, {"scatter", 2, 2}, {"all_to_all_single", 2, 4},
+    {"send", 1, 1}, {"recv", 1, 1},
+};
+#define N_KINDS ((int)(sizeof KINDS / sizeof KINDS[0]))
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    enum kind kind;
+    int count, root, tag, is_root;
+    double timeout;
+    MPI_Comm *comm;    /* inside the mpi4py objects held below: a freed one reads as null */
     MPI_Datatype *dt;
-    if (as_address(a[1], &sbuf) < 0 || as_address(a[3], &rbuf) < 0 || !(dt = PyMPIDatatype_Get(a[5])))
-        return NULL;
-    if ((rc = MPI_Comm_size(*comm, &size)) != MPI_SUCCESS)
+    MPI_Op *reduction;
+    PyObject *held[3]; /* comm, datatype, reduction */
+    PyObject *pending;
+} Starter;
+
+static PyObject *done = NULL; /* setup(): what a start returns once complete */
+
+/* all_to_all_single's uneven form: MPI may read the count arrays until the op
+ * completes, so after a timeout they are left allocated. */
+static PyObject *start_uneven(Starter *s, void *sbuf, void *rbuf, PyObject *out_counts, PyObject *in_counts)
+{
+    int size, rc;
+    MPI_Request req = MPI_REQUEST_NULL;
+    if ((rc = MPI_Comm_size(*s->comm, &size)) != MPI_SUCCESS)
         return mpi_error(rc, "MPI_Comm_size");
     int *arrays = malloc(4 * (size_t)size * sizeof(int));
     if (arrays == NULL)
         return PyErr_NoMemory();
     int *sc = arrays, *sd = arrays + size, *rcn = arrays + 2 * size, *rd = arrays + 3 * size;
-    if (counts_of(a[2], size, sc, sd) < 0 || counts_of(a[4], size, rcn, rd) < 0) {
+    if (counts_of(in_counts, size, sc, sd) < 0 || counts_of(out_counts, size, rcn, rd) < 0) {
         free(arrays);
         return NULL;
     }
-    rc = MPI_Ialltoallv(sbuf, sc, sd, *dt, rbuf, rcn, rd, *dt, *comm, &req);
-    PyObject *out = finish(rc, req, timeout, "MPI_Ialltoallv");
+    rc = MPI_Ialltoallv(sbuf, sc, sd, *s->dt, rbuf, rcn, rd, *s->dt, *s->comm, &req);
+    PyObject *out = finish(rc, req, s->timeout, "MPI_Ialltoallv");
     if (out == NULL || out == Py_None) /* failed or complete: MPI no longer reads them */
         free(arrays);
     return out;
 }
 
-/* send(comm, buf, count, datatype, peer, tag, timeout) and recv(...): one peer. */
-static int one_peer(PyObject *const *a, void **buf, int *count, MPI_Datatype **dt, int *peer, int *tag)
+/* Start s's op on the buffers at `addr` (one per tensor) and wait; `args`:
+ * the call's arguments (the tensors, then any counts). */
+static PyObject *starter_start(PyObject *self, void *const *addr, PyObject *const *args, Py_ssize_t n)
 {
-    if (as_address(a[1], buf) < 0 || as_int(a[2], count) < 0 || !(*dt = PyMPIDatatype_Get(a[3]))
-        || as_int(a[4], peer) < 0 || as_int(a[5], tag) < 0)
-        return -1;
+    Starter *s = (Starter *)self;
+    if (n != KINDS[s->kind].args) {
+        PyErr_Format(PyExc_TypeError, "the %s starter takes %d arguments (%zd given)", KINDS[s->kind].op,
+                     KINDS[s->kind].args, n);
+        return NULL;
+    }
+    void *a0 = addr[0], *a1 = KINDS[s->kind].tensors > 1 ? addr[1] : NULL;
+    MPI_Comm comm = *s->comm;
+    MPI_Datatype dt = *s->dt;
+    MPI_Request req = MPI_REQUEST_NULL;
+    const char *call;
+    int rc, c = s->count;
+    PyObject *out;
+    switch (s->kind) {
+    case ALL_REDUCE:
+        call = "MPI_Iallreduce";
+        rc = MPI_Iallreduce(MPI_IN_PLACE, a0, c, dt, *s->reduction, comm, &req);
+        break;
+    case BROADCAST:
+        call = "MPI_Ibcast";
+        rc = MPI_Ibcast(a0, c, dt, s->root, comm, &req);
+        break;
+    case REDUCE:
+        call = "MPI_Ireduce";
+        rc = s->is_root ? MPI_Ireduce(MPI_IN_PLACE, a0, c, dt, *s->reduction, s->root, comm, &req)
+                        : MPI_Ireduce(a0, NULL, c, dt, *s->reduction, s->root, comm, &req);
+        break;
+    case ALL_GATHER: /* (output, input) */
+        call = "MPI_Iallgather";
+        rc = MPI_Iallgather(a1, c, dt, a0, c, dt, comm, &req);
+        break;
+    case REDUCE_SCATTER:
+        call = "MPI_Ireduce_scatter_block";
+        rc = MPI_Ireduce_scatter_block(a1, a0, c, dt, *s->reduction, comm, &req);
+        break;
+    case GATHER:
+        call = "MPI_Igather";
+        rc = MPI_Igather(a1, c, dt, a0, c, dt, s->root, comm, &req);
+        break;
+    case SCATTER:
+        call = "MPI_Iscatter";
+        rc = MPI_Iscatter(a1, c, dt, a0, c, dt, s->root, comm, &req);
+        break;
+    case ALL_TO_ALL:
+        if (args[3] != Py_None) {
+            out = start_uneven(s, a1, a0, args[2], args[3]);
+            goto wrap;
+        }
+        call = "MPI_Ialltoall";
+        rc = MPI_Ialltoall(a1, c, dt, a0, c, dt, comm, &req);
+        break;
+    case SEND:
+        call = "MPI_Isend";
+        rc = MPI_Isend(a0, c, dt, s->root, s->tag, comm, &req);
+        break;
+    default: /* RECV */
+        call = "MPI_Irecv";
+        rc = MPI_Irecv(a0, c, dt, s->root, s->tag, comm, &req);
+        break;
+    }
+    out = finish(rc, req, s->timeout, call);
+wrap:
+    if (out == Py_None) {
+        Py_DECREF(out);
+        Py_INCREF(done);
+        return done;
+    }
+    if (out != NULL) { /* still pending: pending(request, *tensors) keeps the tensors alive */
+        PyObject *call_args[3] = {out, args[0], KINDS[s->kind].tensors > 1 ? args[1] : NULL};
+        Py_SETREF(out, PyObject_Vectorcall(s->pending, call_args, 1 + KINDS[s->kind].tensors, NULL));
+    }
+    return out;
+}
+
+/* From Python: the tensors' addresses through data_ptr(). */
+static PyObject *starter_call(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    void *addr[2] = {NULL, NULL};
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        PyErr_SetString(PyExc_TypeError, "a starter takes no keyword arguments");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n && i < KINDS[((Starter *)self)->kind].tensors; i++) {
+        if (args[i] == Py_None)
+            continue;
+        PyObject *at = PyObject_CallMethod(args[i], "data_ptr", NULL);
+        if (at == NULL)
+            return NULL;
+        addr[i] = PyLong_AsVoidPtr(at);
+        Py_DECREF(at);
+        if (addr[i] == NULL && PyErr_Occurred())
+            return NULL;
+    }
+    return starter_start(self, addr, args, n);
+}
+
+static PyObject *starter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"op", "comm", "datatype", "count", "timeout", "pending", "reduction", "root", "tag",
+                            NULL};
+    const char *op;
+    PyObject *comm, *dt, *pending, *reduction = Py_None, *count;
+    int root = 0, tag = 0, kind, rank, rc;
+    double timeout;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOOOdO|Oii:Starter", names, &op, &comm, &dt, &count, &timeout,
+                                     &pending, &reduction, &root, &tag))
+        return NULL;
+    for (kind = 0; kind < N_KINDS && strcmp(KINDS[kind].op, op) != 0; kind++)
+        ;
+    if (kind == N_KINDS)
+        return PyErr_Format(PyExc_ValueError, "Starter: no compiled form of op %R", PyTuple_GET_ITEM(args, 0));
+    int needs_reduction = kind == ALL_REDUCE || kind == REDUCE || kind == REDUCE_SCATTER;
+    if (!PyCallable_Check(pending))
+        return PyErr_Format(PyExc_TypeError, "Starter: pending must be callable, not %R", pending);
+    Starter *s = (Starter *)type->tp_alloc(type, 0);
+    if (s == NULL)
+        return NULL;
+    s->vectorcall = starter_call;
+    s->kind = (enum kind)kind;
+    s->root = root;
+    s->tag = tag;
+    s->timeout = timeout;
+    s->held[0] = Py_NewRef(comm);
+    s->held[1] = Py_NewRef(dt);
+    s->held[2] = Py_NewRef(reduction);
+    s->pending = Py_NewRef(pending);
+    if (as_int(count, &s->count) < 0 || !(s->comm = PyMPIComm_Get(comm)) || !(s->dt = PyMPIDatatype_Get(dt))
+        || (needs_reduction && !(s->reduction = PyMPIOp_Get(reduction)))) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    if (kind == REDUCE) {
+        if ((rc = MPI_Comm_rank(*s->comm, &rank)) != MPI_SUCCESS) {
+            Py_DECREF(s);
+            return mpi_error(rc, "MPI_Comm_rank");
+        }
+        s->is_root = rank == root;
+    }
+    return (PyObject *)s;
+}
+
+static int starter_traverse(Starter *s, visitproc visit, void *arg)
+{
+    for (int i = 0; i < 3; i++)
+        Py_VISIT(s->held[i]);
+    Py_VISIT(s->pending);
     return 0;
 }
 
-static PyObject *send(PyObject *self, PyObject *const *a, Py_ssize_t n)
+static int starter_clear(Starter *s)
 {
-    ARGS("send", 7);
-    void *buf;
-    int count, peer, tag;
-    MPI_Datatype *dt;
-    if (one_peer(a, &buf, &count, &dt, &peer, &tag) < 0)
-        return NULL;
-    rc = MPI_Isend(buf, count, *dt, peer, tag, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Isend");
+    for (int i = 0; i < 3; i++)
+        Py_CLEAR(s->held[i]);
+    Py_CLEAR(s->pending);
+    return 0;
 }
 
-static PyObject *recv(PyObject *self, PyObject *const *a, Py_ssize_t n)
+static void starter_dealloc(Starter *s)
 {
-    ARGS("recv", 7);
-    void *buf;
-    int count, peer, tag;
-    MPI_Datatype *dt;
-    if (one_peer(a, &buf, &count, &dt, &peer, &tag) < 0)
-        return NULL;
-    rc = MPI_Irecv(buf, count, *dt, peer, tag, *comm, &req);
-    return finish(rc, req, timeout, "MPI_Irecv");
+    PyObject_GC_UnTrack(s);
+    starter_clear(s);
+    Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-/* set_error(cls): the exception class MPI errors raise. */
-static PyObject *set_error(PyObject *self, PyObject *cls)
+static PyObject *starter_repr(Starter *s)
 {
-    if (!PyExceptionClass_Check(cls)) {
-        PyErr_SetString(PyExc_TypeError, "set_error takes an exception class");
+    return PyUnicode_FromFormat("<compiled %s starter: %d elements>", KINDS[s->kind].op, s->count);
+}
+
+static PyTypeObject StarterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mcrdl_mpi_native.Starter",
+    .tp_basicsize = sizeof(Starter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "One op's compiled start-and-wait (see mpi_native.c).",
+    .tp_vectorcall_offset = offsetof(Starter, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = starter_new,
+    .tp_traverse = (traverseproc)starter_traverse,
+    .tp_clear = (inquiry)starter_clear,
+    .tp_dealloc = (destructor)starter_dealloc,
+    .tp_repr = (reprfunc)starter_repr,
+};
+
+/* setup(error, done): the exception class MPI errors raise (a RuntimeError
+ * until then) and what a start returns once complete. */
+static PyObject *setup(PyObject *self, PyObject *const *a, Py_ssize_t n)
+{
+    if (n != 2 || !PyExceptionClass_Check(a[0])) {
+        PyErr_SetString(PyExc_TypeError, "setup takes an exception class and the DONE object");
         return NULL;
     }
-    Py_INCREF(cls);
-    Py_XSETREF(error_class, cls);
+    Py_XSETREF(error_class, Py_NewRef(a[0]));
+    Py_XSETREF(done, Py_NewRef(a[1]));
     Py_RETURN_NONE;
 }
 
@@ -394,22 +436,31 @@ static PyObject *library_version(PyObject *self, PyObject *unused)
     return PyUnicode_DecodeUTF8(v, len, "replace");
 }
 
-#define FAST(f) {#f, (PyCFunction)(void (*)(void))f, METH_FASTCALL, NULL}
 static PyMethodDef methods[] = {
-    FAST(allreduce), FAST(bcast), FAST(reduce), FAST(allgather), FAST(alltoall),
-    FAST(reduce_scatter_block), FAST(gather), FAST(scatter), FAST(alltoallv),
-    FAST(send), FAST(recv),
+    {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL, NULL},
     {"set_busy", set_busy, METH_O, NULL},
-    {"set_error", set_error, METH_O, NULL},
     {"library_version", library_version, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_mpi_native", NULL, -1, methods};
 
+/* The capsule `start` holds starter_start for facts.cpp's drive, which
+ * declares the same signature (typedef start_fn there). */
 PyMODINIT_FUNC PyInit_mcrdl_mpi_native(void)
 {
-    if (import_mpi4py() < 0)
+    if (import_mpi4py() < 0 || PyType_Ready(&StarterType) < 0)
         return NULL;
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    PyObject *capsule = PyCapsule_New((void *)starter_start, "mcrdl_mpi_native.start", NULL);
+    if (capsule == NULL || PyModule_AddObjectRef(m, "start", capsule) < 0
+        || PyModule_AddObjectRef(m, "Starter", (PyObject *)&StarterType) < 0) {
+        Py_XDECREF(capsule);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(capsule);
+    return m;
 }

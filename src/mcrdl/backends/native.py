@@ -18,6 +18,7 @@ from typing import Optional
 
 from .. import compiled, settings
 from ..types import CommError
+from ..work import DONE
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_native.c")
 MODULE = "mcrdl_mpi_native"
@@ -85,5 +86,5 @@ def _load() -> tuple:
         return None, f"cannot load {target} ({exc}): pure-Python path"
     if module.library_version() != mpi_version:
         return None, f"{cc} builds for another MPI than mpi4py's: pure-Python path"
-    module.set_error(CommError)
+    module.setup(CommError, DONE)
     return module, f"compiled ({target})"
