@@ -190,6 +190,7 @@ typedef struct {
 } Starter;
 
 static PyObject *done = NULL; /* setup(): what a start returns once complete */
+static PyObject *s_data_ptr = NULL; /* "data_ptr", interned at import */
 
 /* all_to_all_single's uneven form: MPI may read the count arrays until the op
  * completes, so after a timeout they are left allocated. */
@@ -304,7 +305,8 @@ static PyObject *starter_call(PyObject *self, PyObject *const *args, size_t narg
     for (Py_ssize_t i = 0; i < n && i < KINDS[((Starter *)self)->kind].tensors; i++) {
         if (args[i] == Py_None)
             continue;
-        PyObject *at = PyObject_CallMethod(args[i], "data_ptr", NULL);
+        PyObject *at = PyObject_VectorcallMethod(s_data_ptr, (PyObject *[]){args[i]},
+                                                 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (at == NULL)
             return NULL;
         addr[i] = PyLong_AsVoidPtr(at);
@@ -449,7 +451,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_mpi_native", N
  * declares the same signature (typedef start_fn there). */
 PyMODINIT_FUNC PyInit_mcrdl_mpi_native(void)
 {
-    if (import_mpi4py() < 0 || PyType_Ready(&StarterType) < 0)
+    if (import_mpi4py() < 0 || PyType_Ready(&StarterType) < 0
+        || (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
