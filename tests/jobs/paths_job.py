@@ -1,0 +1,176 @@
+"""Every op through each of mcrdl's drivers, called again and again with fresh
+inputs, checked against local references: the API's own driver (facts.cpp's
+compiled ``drive`` where it built: its calls after the first run from the plan,
+with the compiled MPI starters called from C), the Python driver (``ops.run``,
+from the same plans) and the general path (``ops.general``, no plan), x dtypes x
+sizes from 0 B to 4 MiB x blocking/async, on every live CPU backend.
+
+    paths_job.py [--sizes 0,1,7,16384,1048576] [backend ...]
+"""
+import argparse
+import functools
+
+import torch
+
+import mcrdl
+import common
+import verdicts
+from mcrdl import api, ops
+
+mcrdl.init_process_group(timeout=120)
+rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+verdicts.set_rank(rank)
+ALL, ROOT = tuple(range(world)), world - 1
+#: the driver the API's functions call, swapped per pass (``api.run_op``)
+DRIVERS = {"api": api.run_op, "python": ops.run, "general": ops.general}
+CALLS = 3  # per driver: the first may build the plan, the rest run from it
+DTYPES = (torch.float32, torch.int32, torch.float16)  # MPI reduces float16 widened: the general path
+LARGE = 16 << 10  # from here float32 only
+
+
+@functools.cache
+def ref(r, n, dtype, salt):
+    """common.value, made once (references are only read)."""
+    return common.value(r, n, dtype, salt=salt)
+
+
+def value(r, n, dtype, salt):
+    """A fresh copy of rank r's input (ops write into theirs)."""
+    return ref(r, n, dtype, salt).clone()
+
+
+@functools.cache
+def reduced(ranks, n, dtype, op, salt):
+    return common.reduced(ranks, n, dtype, op, salt)
+
+
+def blocks(dtype, n, salt):
+    """This rank's n elements for each rank, in one buffer."""
+    return value(rank, world * n, dtype, salt)
+
+
+def all_reduce(kw, dtype, n, s):
+    t = value(rank, n, dtype, s)
+    return mcrdl.all_reduce(t, **kw), [(t, reduced(ALL, n, dtype, "sum", s))]
+
+
+def broadcast(kw, dtype, n, s):
+    t = value(rank, n, dtype, s)
+    return mcrdl.broadcast(t, ROOT, **kw), [(t, ref(ROOT, n, dtype, s))]
+
+
+def reduce(kw, dtype, n, s):
+    t = value(rank, n, dtype, s)
+    return mcrdl.reduce(t, ROOT, **kw), [(t, reduced(ALL, n, dtype, "sum", s))] if rank == ROOT else []
+
+
+def all_gather_into_tensor(kw, dtype, n, s):
+    out = torch.empty(world * n, dtype=dtype)
+    work = mcrdl.all_gather_into_tensor(out, value(rank, n, dtype, s), **kw)
+    return work, [(out, torch.cat([ref(r, n, dtype, s) for r in ALL]))]
+
+
+def all_gather(kw, dtype, n, s):  # the list as views of one buffer: run as the flat op
+    out = torch.empty(world * n, dtype=dtype)
+    work = mcrdl.all_gather(list(out.chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world,
+                            value(rank, n, dtype, s), **kw)
+    return work, [(out, torch.cat([ref(r, n, dtype, s) for r in ALL]))]
+
+
+def reduce_scatter_tensor(kw, dtype, n, s):
+    out = torch.empty(n, dtype=dtype)
+    work = mcrdl.reduce_scatter_tensor(out, blocks(dtype, n, s), **kw)
+    return work, [(out, reduced(ALL, world * n, dtype, "sum", s)[rank * n:(rank + 1) * n])]
+
+
+def reduce_scatter(kw, dtype, n, s):
+    out = torch.empty(n, dtype=dtype)
+    full = blocks(dtype, n, s)
+    work = mcrdl.reduce_scatter(out, list(full.chunk(world)) if n else [full] * world, **kw)
+    return work, [(out, reduced(ALL, world * n, dtype, "sum", s)[rank * n:(rank + 1) * n])]
+
+
+def gather(kw, dtype, n, s):
+    whole = torch.empty(world, n, dtype=dtype)
+    work = mcrdl.gather(value(rank, n, dtype, s), list(whole.unbind(0)) if rank == ROOT else None, ROOT, **kw)
+    return work, [(whole.view(-1), torch.cat([ref(r, n, dtype, s) for r in ALL]))] if rank == ROOT else []
+
+
+def scatter(kw, dtype, n, s):
+    out = torch.empty(n, dtype=dtype)
+    whole = torch.stack([ref(100 + r, n, dtype, s) for r in ALL])
+    work = mcrdl.scatter(out, list(whole.unbind(0)) if rank == ROOT else None, ROOT, **kw)
+    return work, [(out, ref(100 + rank, n, dtype, s))]
+
+
+def all_to_all_single(kw, dtype, n, s):
+    out = torch.empty(world * n, dtype=dtype)
+    work = mcrdl.all_to_all_single(out, blocks(dtype, n, s), **kw)
+    want = torch.cat([ref(r, world * n, dtype, s)[rank * n:(rank + 1) * n] for r in ALL])
+    return work, [(out, want)]
+
+
+def all_to_all_single_uneven(kw, dtype, n, s):
+    """Rank r sends (r + j) % 3 + n // 2 rows of 2 to rank j."""
+    rows = lambda src, dst: (src + dst) % 3 + n // 2  # noqa: E731
+    inp = value(rank, 2 * sum(rows(rank, j) for j in ALL), dtype, s).view(-1, 2)
+    out = torch.empty(sum(rows(r, rank) for r in ALL), 2, dtype=dtype)
+    work = mcrdl.all_to_all_single(out, inp, [rows(r, rank) for r in ALL], [rows(rank, j) for j in ALL], **kw)
+    pieces = []
+    for r in ALL:
+        sent = ref(r, 2 * sum(rows(r, j) for j in ALL), dtype, s).view(-1, 2)
+        at = sum(rows(r, j) for j in range(rank))
+        pieces.append(sent[at:at + rows(r, rank)])
+    return work, [(out, torch.cat(pieces))]
+
+
+def send_recv(kw, dtype, n, s):
+    """A ring: each rank sends to the next and receives from the previous (blocking:
+    even ranks send first, odd ranks receive first; the job runs on an even number of ranks)."""
+    nxt, prv, backend = (rank + 1) % world, (rank - 1) % world, kw["backend"]
+    got, src = torch.empty(n, dtype=dtype), value(rank, n, dtype, s)
+    if kw["async_op"]:
+        for work in [mcrdl.irecv(got, prv, tag=s, backend=backend), mcrdl.isend(src, nxt, tag=s, backend=backend)]:
+            work.wait()
+    elif rank % 2 == 0:
+        mcrdl.send(src, nxt, tag=s, backend=backend)
+        mcrdl.recv(got, prv, tag=s, backend=backend)
+    else:
+        mcrdl.recv(got, prv, tag=s, backend=backend)
+        mcrdl.send(src, nxt, tag=s, backend=backend)
+    return None, [(got, ref(prv, n, dtype, s))]
+
+
+CASES = [all_reduce, broadcast, reduce, all_gather_into_tensor, all_gather, reduce_scatter_tensor, reduce_scatter,
+         gather, scatter, all_to_all_single, all_to_all_single_uneven, send_recv]
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--sizes", default="0,1,7,16384,1048576", help="elements per rank (float32: up to 4 MiB)")
+parser.add_argument("backends", nargs="*")
+args = parser.parse_args()
+calls = 0
+for backend in args.backends or mcrdl.live_backends("cpu"):
+    for dtype in DTYPES:
+        for numel in map(int, args.sizes.split(",")):
+            if numel >= LARGE and dtype is not torch.float32:
+                continue
+            for async_op in (False, True):
+                kw = dict(async_op=async_op, backend=backend)
+                for case in CASES:
+                    for driver, run in DRIVERS.items():
+                        api.run_op = run
+                        for call in range(CALLS):
+                            tag = (f"[{backend} {case.__name__} {dtype} numel={numel} async={async_op} "
+                                   f"{driver} call {call}]")
+                            work, checks = case(kw, dtype, numel, call)
+                            if async_op and case is not send_recv:
+                                verdicts.check(tag + " returns a Work", isinstance(work, mcrdl.Work), "a Work", work)
+                                work.wait()
+                            elif case is not send_recv:
+                                verdicts.check(tag + " returns None", work is None, None, work)
+                            verdicts.check_equal(tag, [g for g, _ in checks], [w for _, w in checks])
+                            calls += 1
+                api.run_op = DRIVERS["api"]
+verdicts.check("paths done", True)
+print(f"rank {rank}: {calls} calls through {len(DRIVERS)} drivers")
+mcrdl.destroy_process_group()
