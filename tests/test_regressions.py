@@ -14,6 +14,15 @@ def test_review_regression(case):
 
 
 @pytest.mark.parametrize("driver", ["compiled", "python"])
+def test_an_async_start_that_raises_fails_naming_op_backend_and_cause(driver):
+    """From its plan, on the compiled driver (started in C) and the pure-Python one."""
+    env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}
+    out = run_job(2, "regressions_job.py", "start_error", timeout=120, env=env)
+    out.require(["the error names op, backend and cause", "nothing outstanding after a refused start",
+                 "the next call runs"], range(2))
+
+
+@pytest.mark.parametrize("driver", ["compiled", "python"])
 def test_a_plan_serves_only_calls_it_fits(driver):
     """The compiled driver and the pure-Python one (MCRDL_NATIVE=0) alike."""
     env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}

@@ -323,8 +323,9 @@ struct Driver {
     PyObject *general = nullptr;  // ops.general: calls that never have one
     PyObject *planned = nullptr;  // ops.planned: calls with a plan that drive() does not run
     PyObject *blocked = nullptr;  // ops.blocked(rt, g, op, backend, pending, tensors): a start that did not finish
+    PyObject *unstarted = nullptr; // ops.could_not_start(op, backend, exc): the error of an async start that raised
     PyObject *group_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr, *zero = nullptr;
-    Py_ssize_t name, recipe, at, listed, at_root, collective, split, async_plan, last; // Op's field indices
+    Py_ssize_t name, recipe, at, listed, at_root, collective, split, async_plan, reads, writes, last; // Op's fields
 } D;
 
 // The compiled MPI starters (backends/mpi_native.c's Starter) and their start
@@ -334,7 +335,7 @@ PyTypeObject *starter_type = nullptr;
 start_fn starter_start = nullptr;
 
 PyObject *s_debug, *s_engine, *s_lost, *s_outstanding, *s_observer, *s_world, *s_rank, *s_starters,
-    *s_size, *s_enabled;
+    *s_size, *s_enabled, *s_order_before, *s_run, *s_peer;
 
 // A borrowed-like read: a new reference to obj.name (nullptr with an error).
 inline PyObject *get(PyObject *obj, PyObject *name) { return PyObject_GetAttr(obj, name); }
@@ -417,13 +418,104 @@ PyObject *counts_of(PyObject *splits, Py_ssize_t size, int64_t rows, long long r
     return out;
 }
 
+// The tensors at ``at`` (a tuple of indices) that are not None (ops._pick).
+PyObject *pick(PyObject *tensors, PyObject *at)
+{
+    PyObject *out = PyTuple_New(PyTuple_GET_SIZE(at));
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; out != nullptr && i < PyTuple_GET_SIZE(at); i++) {
+        Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(at, i));
+        if (k < 0 || k >= PyTuple_GET_SIZE(tensors)) {
+            Py_CLEAR(out);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "drive: an Op names a tensor the call does not pass");
+        } else if (PyTuple_GET_ITEM(tensors, k) != Py_None) {
+            Py_INCREF(PyTuple_GET_ITEM(tensors, k));
+            PyTuple_SET_ITEM(out, n++, PyTuple_GET_ITEM(tensors, k));
+        }
+    }
+    if (out != nullptr && n < PyTuple_GET_SIZE(out) && _PyTuple_Resize(&out, n) < 0)
+        return nullptr;
+    return out;
+}
+
+// Run a plan's start on the call's arguments: a compiled MPI starter on the
+// addresses read here (the plan fits the tensors: CPU, contiguous), else a call.
+PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
+{
+    if (Py_TYPE(start) != starter_type)
+        return PyObject_Vectorcall(start, argv, argc, nullptr);
+    void *addr[2] = {nullptr, nullptr};
+    for (Py_ssize_t i = 0; i < 2 && i < argc; i++)
+        if (THPVariable_Check(argv[i]))
+            addr[i] = THPVariable_Unpack(argv[i]).data_ptr();
+    return starter_start(start, addr, argv, argc);
+}
+
+// An async call from its plan (ops._from_plan's async branch, with no observer):
+// ordered after outstanding work on the same memory, started, tracked by the
+// engine; its Work.
+PyObject *start_async(PyObject *rt, PyObject *engine, PyObject *g, PyObject *op, PyObject *plan, PyObject *tensors)
+{
+    THPObjectPtr reads(pick(tensors, PyTuple_GET_ITEM(op, D.reads)));
+    THPObjectPtr writes(reads ? pick(tensors, PyTuple_GET_ITEM(op, D.writes)) : nullptr);
+    THPObjectPtr outstanding(writes ? get(engine, s_outstanding) : nullptr);
+    if (!outstanding)
+        return nullptr;
+    int busy = PyObject_IsTrue(outstanding.get());
+    if (busy < 0)
+        return nullptr;
+    PyObject *name = PyTuple_GET_ITEM(op, D.name), *backend = PyTuple_GET_ITEM(plan, 0);
+    THPObjectPtr spans;
+    if (busy) {
+        PyObject *order_args[4] = {engine, reads.get(), writes.get(), name};
+        spans = THPObjectPtr(PyObject_VectorcallMethod(s_order_before, order_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                       nullptr));
+    } else {
+        Py_INCREF(Py_None);
+        spans = THPObjectPtr(Py_None);
+    }
+    if (!spans)
+        return nullptr;
+    THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, 1), &PyTuple_GET_ITEM(tensors, 0),
+                                    PyTuple_GET_SIZE(tensors)));
+    if (!pending) { // CommError naming the op and backend, from what the start raised
+        PyObject *type, *value, *trace;
+        PyErr_Fetch(&type, &value, &trace);
+        PyErr_NormalizeException(&type, &value, &trace);
+        if (trace != nullptr)
+            PyException_SetTraceback(value, trace);
+        PyObject *error_args[3] = {op, backend, value};
+        PyObject *error = value ? PyObject_Vectorcall(D.unstarted, error_args, 3, nullptr) : nullptr;
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(trace);
+        if (error != nullptr) {
+            PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(error)), error);
+            Py_DECREF(error);
+        }
+        return nullptr;
+    }
+    THPObjectPtr result(PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes.get() : reads.get()));
+    if (!result)
+        return nullptr;
+    PyObject *run_args[11] = {engine, name, backend, pending.get(), reads.get(), writes.get(), D.empty, g,
+                              result.get(), Py_True, spans.get()};
+    PyObject *work = PyObject_VectorcallMethod(s_run, run_args, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (work != nullptr && PyObject_SetAttr(work, s_peer, PyTuple_GET_ITEM(plan, 3)) < 0)
+        Py_CLEAR(work);
+    return work;
+}
+
 // drive(rt, op, group, async_op, backend[, tensors[, fixed[, splits]]]):
 // ops.run, compiled up to the plan: it checks what ops.run checks and looks
 // the call's plan up. A blocking call with the logger and the profiler off,
 // valid split sizes (if any), and a list (if any) of blocks back to back, it
 // then starts here, handing it to ops.blocked when its start did not finish
-// it; other calls with a plan go to ops.planned, calls that never have one
-// to ops.general, and the rest to ops.run (which also builds the plans).
+// it; an async call (one tensor or a pair, some bytes) it orders, starts and
+// hands to the engine (start_async); other calls with a plan go to
+// ops.planned, calls that never have one to ops.general, and the rest to
+// ops.run (which also builds the plans).
 PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no torch warning handler: drive reads tensors only through plan_key_of and span)
     if (n < 6 || n > 8) {
         PyErr_Format(PyExc_TypeError, "drive takes 6 to 8 arguments (%zd given)", n);
@@ -482,13 +574,22 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     Py_INCREF(plan);
     THPObjectPtr held(plan); // (a start may replace the group's plans)
     PyObject *planned_args[10] = {rt, g.get(), op, plan, group, async_op, backend, tensors, fixed, splits};
-    if (async_op == Py_True || (state = truth(D.profiler, s_enabled)) != 0)
+    if ((state = truth(D.profiler, s_enabled)) != 0)
         return state < 0 ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
     THPObjectPtr observer(get(rt, s_observer));
     if (!observer)
         return nullptr;
     if (observer.get() != Py_None)
         return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+    if (async_op == Py_True) { // (async plans: ops with one tensor or a pair, never listed or split)
+        size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, 2));
+        if (nbytes == static_cast<size_t>(-1) && PyErr_Occurred())
+            return nullptr;
+        if (listed >= 0 || splits != Py_None || PyObject_IsTrue(PyTuple_GET_ITEM(op, D.split)) == 1
+            || (nbytes == 0 && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 1))
+            return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+        return start_async(rt, engine.get(), g.get(), op, plan, tensors);
+    }
     PyObject *argv[4];
     Py_ssize_t argc = PyTuple_GET_SIZE(tensors);
     for (Py_ssize_t i = 0; i < argc; i++)
@@ -548,16 +649,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         if (nbytes == 0) // every rank skips a zero-byte collective
             Py_RETURN_NONE;
     }
-    PyObject *start = PyTuple_GET_ITEM(plan, 1), *pending;
-    if (Py_TYPE(start) == starter_type) { // the tensors' addresses (the plan fits them: CPU, contiguous)
-        void *addr[2] = {nullptr, nullptr};
-        for (Py_ssize_t i = 0; i < 2 && i < argc; i++)
-            if (THPVariable_Check(argv[i]))
-                addr[i] = THPVariable_Unpack(argv[i]).data_ptr();
-        pending = starter_start(start, addr, argv, argc);
-    } else {
-        pending = PyObject_Vectorcall(start, argv, argc, nullptr);
-    }
+    PyObject *pending = start_plan(PyTuple_GET_ITEM(plan, 1), argv, argc);
     if (pending == nullptr || pending == D.done) {
         Py_XDECREF(pending);
         return pending == nullptr ? nullptr : (Py_INCREF(Py_None), Py_None);
@@ -580,13 +672,14 @@ Py_ssize_t field(PyObject *fields, const char *name)
     return -1;
 }
 
-// setup(run, general, planned, blocked, Group, DONE, SUM, profiler module, Op._fields): what drive() needs.
+// setup(run, general, planned, blocked, could_not_start, Group, DONE, SUM, profiler module, Op._fields):
+// what drive() needs.
 PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs("setup", n, 9))
+    if (!nargs("setup", n, 10))
         return nullptr;
-    PyObject *fields = args[8];
-    if (!PyTuple_Check(fields) || !PyType_Check(args[4])) {
+    PyObject *fields = args[9];
+    if (!PyTuple_Check(fields) || !PyType_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError, "setup: a Group type and Op._fields");
         return nullptr;
     }
@@ -594,11 +687,14 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     if ((d.name = field(fields, "name")) < 0 || (d.recipe = field(fields, "recipe")) < 0
         || (d.at = field(fields, "at")) < 0 || (d.listed = field(fields, "listed")) < 0
         || (d.at_root = field(fields, "at_root")) < 0 || (d.collective = field(fields, "collective")) < 0
-        || (d.split = field(fields, "split")) < 0 || (d.async_plan = field(fields, "async_plan")) < 0)
+        || (d.split = field(fields, "split")) < 0 || (d.async_plan = field(fields, "async_plan")) < 0
+        || (d.reads = field(fields, "reads")) < 0 || (d.writes = field(fields, "writes")) < 0)
         return nullptr;
-    d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.async_plan});
-    PyObject **slots[] = {&d.slow, &d.general, &d.planned, &d.blocked, &d.group_type, &d.done, &SUM, &d.profiler};
-    for (int i = 0; i < 8; i++) {
+    d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.async_plan, d.reads,
+                       d.writes});
+    PyObject **slots[] = {&d.slow, &d.general, &d.planned, &d.blocked, &d.unstarted, &d.group_type, &d.done, &SUM,
+                          &d.profiler};
+    for (int i = 0; i < 9; i++) {
         Py_INCREF(args[i]);
         *slots[i] = args[i]; // (kept for the process's life, as the module is)
     }
@@ -608,7 +704,8 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     struct { PyObject **s; const char *text; } names[] = {
         {&s_debug, "debug"}, {&s_engine, "engine"}, {&s_lost, "lost"}, {&s_outstanding, "outstanding"},
         {&s_observer, "observer"}, {&s_world, "world"}, {&s_rank, "rank"},
-        {&s_starters, "starters"}, {&s_size, "size"}, {&s_enabled, "_is_profiler_enabled"}};
+        {&s_starters, "starters"}, {&s_size, "size"}, {&s_enabled, "_is_profiler_enabled"},
+        {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_peer, "peer"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;

@@ -259,17 +259,25 @@ def driver() -> Callable:
     checks = _facts.load()
     if checks is _facts:
         return run
-    checks.setup(run, general, planned, blocked, Group, DONE, ReduceOp.SUM, _torch_profiler, Op._fields)
+    checks.setup(run, general, planned, blocked, could_not_start, Group, DONE, ReduceOp.SUM, _torch_profiler,
+                 Op._fields)
     _plan_key, _key, _span_at = checks.plan_key, checks.key, checks.span
     return checks.drive
 
 
 def planned(rt: Runtime, g: Group, op: Op, plan: tuple, group, async_op: bool, backend, tensors: tuple,
             fixed: tuple, splits):
-    """A call ``drive`` found the plan of but leaves to Python (async, split
-    sizes, observed, a list not seen before)."""
+    """A call ``drive`` found the plan of but leaves to Python (observed, split
+    sizes, a list not seen before, an async call of no bytes)."""
     done = _from_plan(rt, g, op, plan, tensors, async_op, splits)
     return general(rt, op, group, async_op, backend, tensors, fixed, splits) if done is _GENERAL else done
+
+
+def could_not_start(op: Op, backend: str, exc: BaseException) -> CommError:
+    """The error of an async call whose start raised ``exc``."""
+    error = CommError(f"{op.name} on backend '{backend}' could not start: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 def blocked(rt: Runtime, g: Group, op: Op, backend: str, pending, tensors: tuple) -> None:
@@ -382,7 +390,7 @@ def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async
     try:
         pending = start(*args)
     except Exception as exc:
-        raise CommError(f"{op.name} on backend '{backend}' could not start: {exc}") from exc
+        raise could_not_start(op, backend, exc) from exc
     work = engine.run(op.name, backend, pending, reads, writes, post, g, _result(op, tensors), True, spans)
     work.peer = peer
     return work

@@ -6,9 +6,22 @@ import time
 import torch
 
 import mcrdl
+import verdicts
 from common import check
 
 case = sys.argv[1]
+if case == "start_error":
+    from mcrdl.backends.torch_pg import GlooBackend
+
+    @mcrdl.register_backend
+    class RefusingGloo(GlooBackend):
+        """gloo whose all_reduce refuses to start a tensor whose first element is negative."""
+        name = "refusing"
+
+        def all_reduce(self, h, tensor, op):
+            if tensor[0] < 0:
+                raise RuntimeError("refused by the test backend")
+            return super().all_reduce(h, tensor, op)
 mcrdl.init_process_group(timeout=20)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 
@@ -414,11 +427,32 @@ def collective_order():
         mcrdl.broadcast(torch.zeros(n), 0, backend="gloo", async_op=True).wait()
 
 
+def start_error():
+    """An async call whose start raises, from its plan (the compiled driver starts
+    it in C): a CommError naming the op, the backend and the cause, nothing left
+    outstanding, and the next call runs."""
+    t = torch.ones(4)
+    mcrdl.all_reduce(t, backend="refusing", async_op=True).wait()  # (builds the plan)
+    for _ in range(2):
+        try:
+            mcrdl.all_reduce(torch.full((4,), -1.0), backend="refusing", async_op=True)
+        except mcrdl.CommError as exc:
+            verdicts.check("the error names op, backend and cause", "all_reduce on backend 'refusing' could not "
+                           "start: refused by the test backend" in str(exc) and isinstance(exc.__cause__, RuntimeError),
+                           "CommError from RuntimeError", f"{exc!r} from {exc.__cause__!r}")
+        else:
+            verdicts.check("the error names op, backend and cause", False, "CommError", "no error")
+        outstanding = mcrdl.api.current_runtime().engine.outstanding
+        verdicts.check("nothing outstanding after a refused start", not outstanding, [], outstanding)
+    mcrdl.all_reduce(t, backend="refusing", async_op=True).wait()
+    verdicts.check("the next call runs", torch.equal(t, torch.full((4,), 2.0 * world)), 2.0 * world, t)
+
+
 {"collective_order": collective_order, "p2p_order": p2p_order, "staging": staging, "aliased": aliased, "future": future, "futures_thread": futures_thread,
  "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
- "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released, "plan_fit": plan_fit}[case]()
+ "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released, "plan_fit": plan_fit, "start_error": start_error}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
