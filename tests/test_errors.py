@@ -533,13 +533,14 @@ def test_refused_before_any_control_traffic(uninitialized, init, call, words):
 # -- two ranks ----------------------------------------------------------------------------------------
 def test_two_rank_errors_are_local_and_send_nothing():
     out = run_job(2, "errors_job.py", "local", timeout=120)
+    out.require(["errors local finished"], range(2))
     assert out.count("errors local OK after 30 confirmations") == 2, out[-4000:]
     assert out.count(": refused ") == 30, out[-4000:]
 
 
 def test_batch_isend_irecv_refused_before_any_isend_is_posted():
     out = run_job(2, "errors_job.py", "batch", timeout=120)
-    assert out.count("errors batch OK") == 2, out[-4000:]
+    out.require(["errors batch finished"], range(2))
     assert "leaked=True" not in out, out[-4000:]
 
 

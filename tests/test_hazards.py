@@ -23,7 +23,7 @@ def test_uneven_all_to_all_straddling_a_threshold_agrees():
 
 def test_debug_mode_catches_mismatched_collectives():
     out = run_job(2, "hazards_job.py", "debug", timeout=120)
-    assert out.count("debug OK") == 2
+    out.require(["debug finished"], range(2))
 
 
 def test_waits_have_deadlines():

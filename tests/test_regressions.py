@@ -10,7 +10,7 @@ CASES = ["staging", "aliased", "future", "futures_thread", "callbacks", "polling
 @pytest.mark.parametrize("case", CASES)
 def test_review_regression(case):
     out = run_job(2, "regressions_job.py", case, timeout=120)
-    assert out.count(f"{case} OK") == 2, out[-3000:]
+    out.require([f"{case} finished"], range(2))
 
 
 @pytest.mark.parametrize("driver", ["compiled", "python"])
@@ -27,7 +27,7 @@ def test_a_plan_serves_only_calls_it_fits(driver):
     """The compiled driver and the pure-Python one (MCRDL_NATIVE=0) alike."""
     env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}
     out = run_job(2, "regressions_job.py", "plan_fit", timeout=120, env=env)
-    assert out.count("plan_fit OK") == 2, out[-3000:]
+    out.require(["plan_fit finished"], range(2))
 
 
 def test_callback_at_exit():
@@ -35,4 +35,4 @@ def test_callback_at_exit():
     without the fix): two jobs make a miss unlikely."""
     for _ in range(2):
         out = run_job(2, "regressions_job.py", "callback_at_exit", timeout=120)
-        assert out.count("callback_at_exit OK") == 2, out[-3000:]
+        out.require(["callback_at_exit finished"], range(2))

@@ -11,6 +11,7 @@ import time
 import torch
 
 import mcrdl
+import verdicts
 from common import check
 from mcrdl import api
 from mcrdl.autotune import bucket, bucket_bounds
@@ -357,5 +358,6 @@ def drift():
 {"ops": ops, "drift": drift, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank, "subgroups": subgroups,
  "uneven": uneven, "reused": reused, "debug_divergence": debug_divergence,
  "step_cost_gloo": lambda: step_cost("gloo"), "step_cost_mpi": lambda: step_cost("mpi")}[case]()
+verdicts.finished(case)
 print(f"rank {rank}: {case} OK", flush=True)
 mcrdl.destroy_process_group()

@@ -4,6 +4,7 @@ error feedback, refusals. Usage: compression_job.py"""
 import torch
 
 import mcrdl
+import verdicts
 from common import check
 from mcrdl.features.compression import (BF16Compressor, FP16Compressor, Int8Compressor, NoneCompressor,
                                        compressed_all_gather, compressed_all_reduce)
@@ -226,4 +227,5 @@ check(torch.equal(t, torch.full((5,), world * (world + 1) // 2, dtype=torch.int6
 count += 4
 
 mcrdl.destroy_process_group()
+verdicts.finished("compression")
 print(f"rank {rank}: OK {count} checks on {live + ['selected']}")

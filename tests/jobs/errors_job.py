@@ -10,6 +10,7 @@ import sys
 import torch
 
 import mcrdl
+import verdicts
 from common import check
 
 case = sys.argv[1]
@@ -145,4 +146,5 @@ def batch():
 
 {"local": local, "batch": batch}[case]()
 mcrdl.destroy_process_group()
+verdicts.finished(f"errors {case}")
 print(f"rank {rank}: errors {case} OK after {rounds} confirmations")

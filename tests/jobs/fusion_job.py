@@ -4,6 +4,7 @@ input. Usage: fusion_job.py"""
 import torch
 
 import mcrdl
+import verdicts
 from common import check, reduced, value
 from mcrdl.features.fusion import (all_gather_coalesced, all_reduce_coalesced, broadcast_coalesced,
                                    fusion_buffer_pool, plan_buckets)
@@ -235,4 +236,5 @@ check(torch.equal(t, torch.full((3,), float(sum(range(world))))), "after refusal
 count += 10
 
 mcrdl.destroy_process_group()
+verdicts.finished("fusion")
 print(f"rank {rank}: OK {count} checks on {live + ['selected']}")

@@ -6,6 +6,7 @@ import sys
 import torch
 
 import mcrdl
+import verdicts
 from common import check
 
 outdir = sys.argv[1]
@@ -60,4 +61,5 @@ if rank == 0:
     check(os.path.getsize(paths["heatmap"]) > 1000, "heatmap written")
     print("rank 0: exported", sorted(paths))
 mcrdl.destroy_process_group()
+verdicts.finished("logger")
 print(f"rank {rank}: LOGGER OK")

@@ -9,6 +9,7 @@ import sys
 import torch
 
 import mcrdl
+import verdicts
 from common import DTYPES, FLOATS, check, reduced, value
 
 mcrdl.init_process_group(timeout=120)
@@ -228,4 +229,5 @@ if "mpi" in backends:
     print(f"rank {rank}: reduce_scatter_tensor by rows " + (f"for outputs of {lo}-{hi} bytes, groups of <= {ranks}"
                                                             if ranks else "never"))
 mcrdl.destroy_process_group()
+verdicts.finished("ops")
 print(f"rank {rank}: OK {count} checks on {backends}")

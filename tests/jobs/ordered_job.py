@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import mcrdl
+import verdicts
 from common import Lands, LandsAt, check, reduced, value
 from mcrdl.backends.mpi import DeferredPending, MPIBackend
 
@@ -178,6 +179,7 @@ for rnd in range(10):
     check(torch.equal(fast, reduced(range(world), 6, torch.float32, "sum", salt=rnd)), "fast path overtook, round", rnd)
 mcrdl.barrier()
 mcrdl.destroy_process_group()
+verdicts.finished("ordering checks")
 print(f"rank {rank}: ordering checks OK")
 
 sys.argv = [str(Path(__file__).parent / "ops_job.py"), NAME]

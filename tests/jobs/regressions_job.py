@@ -456,4 +456,5 @@ def start_error():
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
+verdicts.finished(case)
 print(f"rank {rank}: {case} OK")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import mcrdl
+import verdicts
 from common import Lands, LandsAt, check, reduced, value
 from mcrdl.backends.mpi import MPIBackend
 from mcrdl.backends.mpi_staged import StagedMPIBackend, StagedPending
@@ -190,6 +191,7 @@ while engine._abandoned and time.monotonic() < until:
 check(not engine._abandoned, "a cancelled op is still polled:", engine._abandoned)
 mcrdl.barrier()
 mcrdl.destroy_process_group()
+verdicts.finished("staging checks")
 print(f"rank {rank}: staging checks OK")
 
 sys.argv = [str(Path(__file__).parent / "ops_job.py"), NAME]

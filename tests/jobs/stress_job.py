@@ -12,6 +12,7 @@ import time
 import torch
 
 import mcrdl
+import verdicts
 from common import check, reduced, value
 
 seed, nops = int(sys.argv[1]), int(sys.argv[2])
@@ -145,4 +146,5 @@ for s in range(3):
     check(torch.equal(slots[s], expect[s]), f"slot {s} differs from the one-backend result")
 elapsed = time.perf_counter() - start
 mcrdl.destroy_process_group()
+verdicts.finished("stress")
 print(f"rank {rank}: STRESS OK seed={seed} ops={nops} world={world} in {elapsed:.1f} s, async works per backend {used}")

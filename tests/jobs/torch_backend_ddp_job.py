@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import mcrdl
 import mcrdl.integrations.torch_backend as tb
 from mcrdl.selector import parse_op_backends
+import verdicts
 from common import check
 
 backend = sys.argv[1]
@@ -136,5 +137,6 @@ compare(train(mcrdl_pg, batchnorm=True), train(gloo, batchnorm=True), "batchnorm
 compare(train(mcrdl_pg, gradient_as_bucket_view=True), via_gloo, "gradient_as_bucket_view", 1e-12)
 compare(train(mcrdl_pg, hook=default_hooks.allreduce_hook),
         train(gloo, hook=default_hooks.allreduce_hook), "allreduce_hook", 1e-12)
+verdicts.finished("torch backend ddp")
 print(f"rank {rank}: TORCH BACKEND DDP OK (backend {backend})")
 dist.destroy_process_group()

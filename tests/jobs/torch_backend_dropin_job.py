@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+import verdicts
 from common import check
 
 warnings.simplefilter("ignore", FutureWarning)
@@ -117,4 +118,5 @@ while rank == 0 and store.add("done", 0) < world:
     time.sleep(0.01)
 if rank == 0:
     store.set("all-done", "1")
+verdicts.finished("drop-in")
 print(f"rank {rank}: DROP-IN OK ({init.split(':')[0]}, live {mcrdl.live_backends()})")

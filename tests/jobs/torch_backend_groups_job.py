@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import mcrdl
 import mcrdl.integrations.torch_backend as tb
+import verdicts
 from common import check
 
 warnings.simplefilter("ignore", FutureWarning)
@@ -124,5 +125,6 @@ else:  # rank 0 makes [0] then [0, 1]; rank 1 [0, 1] then [0]
                 "created in a different order", "rank 0 created it as ranks [0]")
         dist.new_group([0], backend="mcrdl", timeout=quick)
 dist.barrier()
+verdicts.finished("torch backend groups")
 print(f"rank {rank}: TORCH BACKEND GROUPS OK")
 dist.destroy_process_group()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import mcrdl
 import mcrdl.integrations.torch_backend as tb
+import verdicts
 from common import check, reduced, value
 
 warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames all_gather_into_tensor etc.
@@ -254,5 +255,6 @@ refused(lambda: dist.all_reduce(torch.ones(2), op=R.BXOR), "BXOR", "allreduce")
 refused(lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.BAND), "BAND")
 refused(lambda: dist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.AVG), "AVG")
 dist.barrier()
+verdicts.finished("torch backend ops")
 print(f"rank {rank}: TORCH BACKEND OPS OK ({count} checks, backend {backend})")
 dist.destroy_process_group()

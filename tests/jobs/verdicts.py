@@ -52,6 +52,13 @@ def check(name, ok, expected=None, got=None):
     return record(name, ok, expected, got)
 
 
+def finished(name):
+    """This rank ran the job (or its part ``name``) to its end: a passing
+    ``<name> finished`` verdict, which the test requires of every rank
+    (tests/conftest.py, ``JobOutput.require``): a rank that stopped early is named."""
+    return record(f"{name} finished", True)
+
+
 def check_equal(name, got, want):
     """torch.equal on each pair of tensors (bitwise, same shape and dtype)."""
     got, want = list(got), list(want)
