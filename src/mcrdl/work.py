@@ -759,8 +759,8 @@ class Engine:
 
     def _blocking_is_safe(self, pending: Pending) -> bool:
         """May we block inside ``pending``'s library without starving another?"""
-        mine = pending.progress_domain
-        if not self._domains or self._domains == {mine}:  # no other domain was ever outstanding
+        mine, domains = pending.progress_domain, self._domains
+        if not domains or (len(domains) == 1 and mine in domains):  # no other domain was ever outstanding
             return True
         for work in self.outstanding:
             p = work._pending
@@ -776,13 +776,16 @@ class Engine:
             if work._done:
                 return True
             test = work._pending.test
-            for _ in range(_burst):
-                if test():
-                    break
-            else:
-                return False
-            if work in self.outstanding:
+            if not test():  # (most are done at the first test: no loop for them)
+                for _ in range(_burst - 1):
+                    if test():
+                        break
+                else:
+                    return False
+            try:
                 self.outstanding.remove(work)
+            except ValueError:  # (already dropped)
+                pass
             work._finish()
         if work._future is not None:  # (set under the lock before _done, or it settles itself)
             work._settle_future()
