@@ -120,14 +120,16 @@ def test_backend_live_on_some_ranks_is_left_out_everywhere():
         out[-3000:]
 
 
-@pytest.mark.parametrize("nprocs,args,env", [(2, (), {}), (4, ("--sizes", "0,1,7,16384,262144"), {}),
-                                             (2, (), {"MCRDL_NATIVE": "0"})],
-                         ids=["2-ranks-to-4MiB", "4-ranks-to-1MiB", "2-ranks-pure-python"])
-def test_every_op_through_every_driver_again_and_again(nprocs, args, env):
+@pytest.mark.parametrize("nprocs,args,env,launcher", [
+    (2, (), {}, "mpiexec"), (4, ("--sizes", "0,1,7,16384,262144"), {}, "mpiexec"),
+    (2, (), {"MCRDL_NATIVE": "0"}, "mpiexec"), (2, ("--sizes", "0,1,7,16384"), {}, "torchrun")],
+    ids=["2-ranks-to-4MiB", "4-ranks-to-1MiB", "2-ranks-pure-python", "torchrun-2-ranks-to-64KiB"])
+def test_every_op_through_every_driver_again_and_again(nprocs, args, env, launcher):
     """Each op, called three times with fresh inputs through the API's driver
     (compiled: the calls after the first run from the plan, the MPI starters
     called from C), the Python driver and the general path, x dtypes x sizes x
     blocking/async on MPI and gloo: every result equals its local reference, so a
-    plan never serves a stale or misplaced buffer (#39)."""
-    out = run_job(nprocs, "paths_job.py", *args, timeout=300, env=env)
+    plan never serves a stale or misplaced buffer (#39); under mcrdl run's mpiexec and
+    under torchrun (MPI started over torch's store) alike."""
+    out = run_job(nprocs, "paths_job.py", *args, timeout=300, env=env, launcher=launcher)
     out.require(["paths done"], range(nprocs))
