@@ -455,7 +455,7 @@ PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
 // An async call from its plan (ops._from_plan's async branch, with no observer):
 // ordered after outstanding work on the same memory, started, tracked by the
 // engine; its Work.
-PyObject *start_async(PyObject *rt, PyObject *engine, PyObject *g, PyObject *op, PyObject *plan, PyObject *tensors)
+PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *plan, PyObject *tensors)
 {
     THPObjectPtr reads(pick(tensors, PyTuple_GET_ITEM(op, D.reads)));
     THPObjectPtr writes(reads ? pick(tensors, PyTuple_GET_ITEM(op, D.writes)) : nullptr);
@@ -581,14 +581,13 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         return nullptr;
     if (observer.get() != Py_None)
         return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
-    if (async_op == Py_True) { // (async plans: ops with one tensor or a pair, never listed or split)
+    if (async_op == Py_True) { // (only ops with async_plan get here: one tensor or a pair, never listed or split)
         size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, 2));
         if (nbytes == static_cast<size_t>(-1) && PyErr_Occurred())
             return nullptr;
-        if (listed >= 0 || splits != Py_None || PyObject_IsTrue(PyTuple_GET_ITEM(op, D.split)) == 1
-            || (nbytes == 0 && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 1))
+        if (nbytes == 0 && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 1)
             return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
-        return start_async(rt, engine.get(), g.get(), op, plan, tensors);
+        return start_async(engine.get(), g.get(), op, plan, tensors);
     }
     PyObject *argv[4];
     Py_ssize_t argc = PyTuple_GET_SIZE(tensors);

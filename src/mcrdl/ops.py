@@ -390,7 +390,7 @@ def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async
     try:
         pending = start(*args)
     except Exception as exc:
-        raise could_not_start(op, backend, exc) from exc
+        raise could_not_start(op, backend, exc)  # (its cause: exc)
     work = engine.run(op.name, backend, pending, reads, writes, post, g, _result(op, tensors), True, spans)
     work.peer = peer
     return work

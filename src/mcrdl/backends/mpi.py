@@ -304,8 +304,9 @@ class MPIBackend(Backend):
         self.native = native_path.load()
         if self.native is not None:
             self.native.set_busy(busy_seconds())
-            if facts.load() is not facts:  # the compiled driver starts its starters without Python
-                facts.load().adopt(self.native.Starter, self.native.start)
+            checks = facts.load()
+            if checks is not facts:  # the compiled driver starts its starters without Python
+                checks.adopt(self.native.Starter, self.native.start)
         self.rows_rule = rows_rule(self.version())
         if "cuda" in self.devices:
             self.order_after_streams()
