@@ -51,7 +51,11 @@ SKIPPED = (r"Not all ranks joining collective, sequence number: 3\n(.*\n)*collec
 def test_a_hung_job_dumps_every_rank_and_torchs_analyzer_names_rank_and_op(tmp_path, scenario, verdict, launcher):
     out, rc, report = _hang(tmp_path, scenario, launcher)
     assert rc != 0, out[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fr_rank_0", "fr_rank_1"], out[-3000:]
+    # A rank whose own op timed out too may be killed by the job's abort while it
+    # writes a second dump: its temporary file (named apart, so torch's analyzer
+    # skips it) may stay, and the first dump it replaced nothing of stays whole.
+    dumps = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".mcrdl-dump-"))
+    assert dumps == ["fr_rank_0", "fr_rank_1"], out[-3000:]
     assert re.search(r"rank \d: flight recorder dumped to .* \(\w+ on backend 'mpi' timed out\)", out), out[-3000:]
     assert "every rank's flight recorder dumped (" in out, out[-3000:]  # in the error itself
     assert re.search(verdict, report), report
