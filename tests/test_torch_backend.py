@@ -45,16 +45,23 @@ def test_import_torch_registers_mcrdl_without_importing_it_and_register_is_idemp
 
 def test_reduce_ops_map_or_are_refused_by_name():
     R, M = dist.ReduceOp, tb.ReduceOp
+
+    def mapped(reduce_op, what, dtype):
+        opts = dist.AllreduceOptions()  # as torch passes them
+        opts.reduceOp = reduce_op
+        return tb._reduce_op(opts, what, dtype)
+
+    assert tb._reduce_op(None, "allreduce", torch.float32) is M.SUM
     for torch_op, mine in ((R.SUM, M.SUM), (R.AVG, M.AVG), (R.PRODUCT, M.PRODUCT), (R.MIN, M.MIN),
                            (R.MAX, M.MAX)):
-        assert tb._reduce_op(torch_op, "allreduce", torch.float32) is mine
-        assert tb._reduce_op(dist.ReduceOp(torch_op), "allreduce", torch.float32) is mine
-    assert tb._reduce_op(R.BOR, "allreduce", torch.bool) is M.MAX
-    assert tb._reduce_op(R.BAND, "allreduce", torch.bool) is M.MIN
+        assert mapped(torch_op, "allreduce", torch.float32) is mine
+        assert mapped(dist.ReduceOp(torch_op), "allreduce", torch.float32) is mine
+    assert mapped(R.BOR, "allreduce", torch.bool) is M.MAX
+    assert mapped(R.BAND, "allreduce", torch.bool) is M.MIN
     for bad, dtype in ((R.BXOR, torch.int32), (R.BAND, torch.int64),
                        (dist._make_nccl_premul_sum(2.0), torch.float32)):
         with pytest.raises(tb.UnsupportedError, match=r"reduce_scatter: ReduceOp\.\w+ is not supported"):
-            tb._reduce_op(bad, "reduce_scatter", dtype)
+            mapped(bad, "reduce_scatter", dtype)
 
 
 def test_one_process_without_a_launcher():

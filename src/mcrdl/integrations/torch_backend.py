@@ -65,6 +65,8 @@ _REDUCE_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRO
 #: int(torch's RedOpType) -> mcrdl ReduceOp: the same table keyed by the enum's
 #: value (a pybind enum's ``name``, and even its ``==``, costs a microsecond per call).
 _REDUCE_KINDS = {int(getattr(dist.ReduceOp.RedOpType, n)): op for n, op in _REDUCE_OPS.items()}
+_TorchReduceOp = dist.ReduceOp
+_SPARSE_COO = torch.sparse_coo
 _TORCH_SUM = dist.ReduceOp.SUM  # (a torch ReduceOp compares with it cheaply)
 
 
@@ -184,10 +186,18 @@ def init_process_group(timeout=None, mcrdl_options: Optional[dict] = None, **tor
 
 
 # -- reduce ops, timeouts ----------------------------------------------------------------------
-def _reduce_op(op, what: str, dtype: torch.dtype) -> ReduceOp:
-    """torch ``ReduceOp`` (or its RedOpType) -> mcrdl ReduceOp, or a clear refusal."""
-    if type(op) is dist.ReduceOp and op == _TORCH_SUM:  # most calls: one comparison, cheaper than below
+def _reduce_op(opts, what: str, dtype: torch.dtype) -> ReduceOp:
+    """The mcrdl ReduceOp of torch's ``opts.reduceOp`` (SUM without ``opts``), or a clear refusal."""
+    if opts is None:
         return ReduceOp.SUM
+    op = opts.reduceOp
+    if type(op) is _TorchReduceOp and op == _TORCH_SUM:  # most calls: one comparison, cheaper than below
+        return ReduceOp.SUM
+    return _other_reduce_op(op, what, dtype)
+
+
+def _other_reduce_op(op, what: str, dtype: torch.dtype) -> ReduceOp:
+    """:func:`_reduce_op` of any ``ReduceOp`` (or its RedOpType)."""
     kind = getattr(op, "op", op)  # ReduceOp -> RedOpType
     try:
         known = _REDUCE_KINDS.get(int(kind))
@@ -248,19 +258,20 @@ class MCRDLTorchWork(dist.Work):
     an op that already completed). ``wait()`` drives mcrdl's progress on the
     calling thread; ``get_future()`` is completed by mcrdl's futures thread."""
 
+    _future: Optional[torch.futures.Future] = None  # made by get_future()
+
     def __init__(self, work, result, op: str):
-        super().__init__()
+        dist.Work.__init__(self)
         self._work = work  # mcrdl Work, or None when the op already completed
         self._result = result
         self._op = op
-        self._future: Optional[torch.futures.Future] = None
 
     def __repr__(self) -> str:
         return f"<MCRDLTorchWork {self._op}: {self._work!r}>"
 
     def wait(self, timeout=None) -> bool:
         if self._work is not None:
-            self._work.wait(_wait_seconds(timeout))
+            self._work.wait(None if timeout is None else _wait_seconds(timeout))
         return True
 
     def is_completed(self) -> bool:
@@ -361,10 +372,10 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         """Run ``op`` on the group through mcrdl's driver, as the API's functions do
         (without their layer). A blocking op returns no Work: torch's API waits
         only on a Work it gets ("the backend has sync'ed")."""
-        if self._coalescing is None and opts is not None and getattr(opts, "asyncOp", True) is False:
-            api.run_op(api.current_runtime(), op, self._g, False, None, tensors, fixed, splits)
+        blocking = opts is not None and getattr(opts, "asyncOp", True) is False and self._coalescing is None
+        work = api.run_op(api.current_runtime(), op, self._g, not blocking, None, tensors, fixed, splits)
+        if blocking:
             return None
-        work = api.run_op(api.current_runtime(), op, self._g, True, None, tensors, fixed, splits)
         if self._coalescing is not None and work is not None:
             self._coalescing.append(work)
         return MCRDLTorchWork(work, result, name)
@@ -392,21 +403,20 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = "allreduce"
-        t = _one(op, tensors)
-        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, t.dtype)
-        g = self._g
-        if t.layout == torch.sparse_coo:
+        t = tensors[0] if len(tensors) == 1 else _one(op, tensors)
+        rop = _reduce_op(opts, op, t.dtype)
+        if t.layout is _SPARSE_COO:
             if rop is not ReduceOp.SUM:
                 raise UnsupportedError(f"{op}: sparse tensors reduce with SUM only (as gloo), not {rop.name}")
-            _sparse_all_reduce(t, g)
+            _sparse_all_reduce(t, self._g)
             return MCRDLTorchWork(None, [t], op)
-        return self._start(op, opts, ops.ALL_REDUCE, (t,), (rop,), [t])
+        return self._start(op, opts, ops.ALL_REDUCE, (t,), (rop,), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = "allreduce_coalesced"
         if not tensors:
             return MCRDLTorchWork(None, [], op)
-        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, tensors[0].dtype)
+        rop = _reduce_op(opts, op, tensors[0].dtype)
         g = self._g
         return self._run_many(op, opts, [
             (lambda t=t: api.all_reduce(t, rop, group=g, async_op=True)) for t in tensors],
@@ -425,7 +435,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         t = _one(op, tensors)
         if opts is not None and getattr(opts, "rootTensor", 0) != 0:
             raise BackendError(f"{op}: rootTensor {opts.rootTensor} is not supported (one tensor per process)")
-        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, t.dtype)
+        rop = _reduce_op(opts, op, t.dtype)
         dst = self._global(opts.rootRank if opts is not None else 0, "reduce root")
         return self._start(op, opts, ops.REDUCE, (t,), (dst, rop), [t])
 
@@ -469,12 +479,12 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         op = "reduce_scatter"
         out = _one(op, output_tensors)
         inp = _one(op, input_lists, "input list")
-        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, out.dtype)
+        rop = _reduce_op(opts, op, out.dtype)
         return self._start(op, opts, ops.REDUCE_SCATTER, (out, list(inp)), (rop,), [out])
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = "reduce_scatter_single"
-        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, output.dtype)
+        rop = _reduce_op(opts, op, output.dtype)
         return self._start(op, opts, ops.REDUCE_SCATTER_TENSOR, (output, input), (rop,), [output])
 
     _reduce_scatter_base = reduce_scatter_single  # torch < 2.11 name
@@ -485,7 +495,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             raise ValueError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs")
         if not outputs:
             return MCRDLTorchWork(None, [], op)
-        rop = _reduce_op(opts.reduceOp if opts is not None else ReduceOp.SUM, op, outputs[0].dtype)
+        rop = _reduce_op(opts, op, outputs[0].dtype)
         g = self._g
         return self._run_many(op, opts, [
             (lambda o=o, i=i: api.reduce_scatter_tensor(o, i, rop, group=g, async_op=True))
@@ -543,14 +553,12 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         return MCRDLTorchWork(work, [t], name)
 
     def send(self, tensors, dstRank, tag=0):
-        t = _one("send", tensors)
-        dst = self._global(int(dstRank), "send dst")
-        return self._p2p("send", ops.ISEND, t, dst, tag)
+        t = tensors[0] if len(tensors) == 1 else _one("send", tensors)
+        return self._p2p("send", ops.ISEND, t, self._global(int(dstRank), "send dst"), tag)
 
     def recv(self, tensors, srcRank, tag=0):
-        t = _one("recv", tensors)
-        src = self._global(int(srcRank), "recv src")
-        return self._p2p("recv", ops.IRECV, t, src, tag)
+        t = tensors[0] if len(tensors) == 1 else _one("recv", tensors)
+        return self._p2p("recv", ops.IRECV, t, self._global(int(srcRank), "recv src"), tag)
 
     def recv_anysource(self, tensors, tag=0):
         return self._p2p("recvAnySource", ops.IRECV, _one("recv", tensors), None, tag)
