@@ -68,7 +68,7 @@ BAD_CALLS = """
 import torch
 from mpi4py import MPI
 from mcrdl.backends import native
-from mcrdl.backends.mpi import MPIPending
+import time
 from mcrdl.types import CommError
 from mcrdl.work import DONE
 mod = native.load()
@@ -82,30 +82,41 @@ def refused(call, error, words):
         raise AssertionError(f"no {error.__name__}")
 comm = MPI.COMM_SELF
 Starter = mod.Starter
-refused(lambda: Starter("all_reduce", comm, MPI.FLOAT, 2**31, 1.0, MPIPending, MPI.SUM), OverflowError,
+refused(lambda: Starter("all_reduce", comm, MPI.FLOAT, 2**31, 1.0, MPI.SUM), OverflowError,
         ["2147483648"])
-a2a = Starter("all_to_all_single", comm, MPI.FLOAT, 4, 1.0, MPIPending)
+a2a = Starter("all_to_all_single", comm, MPI.FLOAT, 4, 1.0)
 refused(lambda: a2a(t, t, [1], [2**31]), OverflowError, ["C int"])
 refused(lambda: a2a(t, t, [1], [-1]), ValueError, ["negative"])
 refused(lambda: a2a(t, t, [1, 1], [2]), ValueError, ["expected 1 counts"])
-refused(lambda: Starter("send", comm, MPI.FLOAT, 4, 1.0, MPIPending, root=7)(t), CommError,
+refused(lambda: Starter("send", comm, MPI.FLOAT, 4, 1.0, root=7)(t), CommError,
         ["MPI_Isend on backend 'mpi' failed", "Invalid rank"])
-refused(lambda: Starter("broadcast", comm, "float", 4, 1.0, MPIPending), TypeError, [])
-refused(lambda: Starter("all_reduce", comm, MPI.FLOAT, 4, 1.0, MPIPending), TypeError, [])  # no reduction
-refused(lambda: Starter("barrier", comm, MPI.FLOAT, 4, 1.0, MPIPending), ValueError, ["no compiled form", "barrier"])
-refused(lambda: Starter("broadcast", comm, MPI.FLOAT, 4, 1.0, MPIPending)(t, t), TypeError,
+refused(lambda: Starter("broadcast", comm, "float", 4, 1.0), TypeError, [])
+refused(lambda: Starter("all_reduce", comm, MPI.FLOAT, 4, 1.0), TypeError, [])  # no reduction
+refused(lambda: Starter("barrier", comm, MPI.FLOAT, 4, 1.0), ValueError, ["no compiled form", "barrier"])
+refused(lambda: Starter("broadcast", comm, MPI.FLOAT, 4, 1.0)(t, t), TypeError,
         ["broadcast starter takes 1 arguments (2 given)"])
-refused(lambda: Starter("broadcast", comm, MPI.FLOAT, 4, 1.0, MPIPending)(4), AttributeError, ["data_ptr"])
+refused(lambda: Starter("broadcast", comm, MPI.FLOAT, 4, 1.0)(4), AttributeError, ["data_ptr"])
 t += 1
-assert Starter("all_reduce", comm, MPI.FLOAT, 4, 1.0, MPIPending, MPI.SUM)(t) is DONE and t.tolist() == [1] * 4
+assert Starter("all_reduce", comm, MPI.FLOAT, 4, 1.0, MPI.SUM)(t) is DONE and t.tolist() == [1] * 4
 out = torch.zeros(4)
-assert Starter("all_to_all_single", comm, MPI.FLOAT, 0, 1.0, MPIPending)(out, t, [4], [4]) is DONE  # uneven
+assert Starter("all_to_all_single", comm, MPI.FLOAT, 0, 1.0)(out, t, [4], [4]) is DONE  # uneven
 assert out.tolist() == [1] * 4
-# a start that only starts (timeout 0) returns its request, wrapped with the tensors it keeps alive
-pending = Starter("all_gather_into_tensor", comm, MPI.FLOAT, 4, 0.0, MPIPending)(out, t)
-assert type(pending) is MPIPending and pending.keep == (out, t), pending.keep
+# a start that only starts (timeout 0) returns its compiled request, keeping the tensors alive
+pending = Starter("all_gather_into_tensor", comm, MPI.FLOAT, 4, 0.0)(out, t)
+assert type(pending) is mod.Request and pending.keep == (out, t), pending.keep
+assert pending.progress_domain == "mpi" and pending.stream is None and pending.resumable_block
 while not pending.test():
     pass
+assert pending.test() and pending.block(0.0)  # complete stays complete
+# a receive nobody sends to: its deadline passes, then it is withdrawn
+pending = Starter("recv", comm, MPI.FLOAT, 4, 0.0, root=0, tag=5)(out)
+start = time.monotonic()
+assert not pending.test() and not pending.block(start + 0.05) and time.monotonic() - start >= 0.05
+pending.cancel()
+assert pending.block(time.monotonic() + 5), "a cancelled receive completes"
+# an uneven all-to-all that only starts keeps its counts until it completes
+pending = Starter("all_to_all_single", comm, MPI.FLOAT, 0, 0.0)(out, t, [4], [4])
+assert type(pending) is mod.Request and pending.block(time.monotonic() + 5)
 print("BAD CALLS OK")
 """
 

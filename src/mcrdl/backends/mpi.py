@@ -483,34 +483,33 @@ class MPIBackend(Backend):
     # the op or dtype has no compiled form here.
     def _native_all_reduce(self, comm, timeout, t, op):
         dt = self.reduce_types.get(t.dtype)
-        return None if dt is None else self.native.Starter("all_reduce", comm, dt, t.numel(), timeout, MPIPending,
+        return None if dt is None else self.native.Starter("all_reduce", comm, dt, t.numel(), timeout,
                                                            self.reduce_ops[op])
 
     def _native_broadcast(self, comm, timeout, t, root):
-        return self.native.Starter("broadcast", comm, self.move_types[t.dtype], t.numel(), timeout, MPIPending,
+        return self.native.Starter("broadcast", comm, self.move_types[t.dtype], t.numel(), timeout,
                                    root=root)
 
     def _native_reduce(self, comm, timeout, t, root, op):
         dt = self.reduce_types.get(t.dtype)
-        return None if dt is None else self.native.Starter("reduce", comm, dt, t.numel(), timeout, MPIPending,
+        return None if dt is None else self.native.Starter("reduce", comm, dt, t.numel(), timeout,
                                                            self.reduce_ops[op], root)
 
     def _native_all_gather_into_tensor(self, comm, timeout, output, input):
         return self.native.Starter("all_gather_into_tensor", comm, self.move_types[input.dtype], input.numel(),
-                                   timeout, MPIPending)
+                                   timeout)
 
     def _native_reduce_scatter_tensor(self, comm, timeout, output, input, op):
         if self._by_rows(comm, output, op):
             return self._native_rows(comm, timeout, output, op)
         dt = self.reduce_types.get(output.dtype)
         return None if dt is None else self.native.Starter("reduce_scatter_tensor", comm, dt, output.numel(),
-                                                           timeout, MPIPending, self.reduce_ops[op])
+                                                           timeout, self.reduce_ops[op])
 
     def _native_rows(self, comm, timeout, output, op):
         """reduce_scatter_tensor as the compiled all-to-all, then the local reduction."""
         n, count = comm.Get_size(), output.numel()
-        run = self.native.Starter("all_to_all_single", comm, self.move_types[output.dtype], count, timeout,
-                                  MPIPending)
+        run = self.native.Starter("all_to_all_single", comm, self.move_types[output.dtype], count, timeout)
 
         def start(out, inp):
             rows = torch.empty((n, count), dtype=inp.dtype)
@@ -523,22 +522,22 @@ class MPIBackend(Backend):
 
     def _native_gather(self, comm, timeout, output, input, root):
         return self.native.Starter("gather", comm, self.move_types[input.dtype], input.numel(), timeout,
-                                   MPIPending, root=root)
+                                   root=root)
 
     def _native_scatter(self, comm, timeout, output, input, root):
         return self.native.Starter("scatter", comm, self.move_types[output.dtype], output.numel(), timeout,
-                                   MPIPending, root=root)
+                                   root=root)
 
     def _native_all_to_all_single(self, comm, timeout, output, input):
         return self.native.Starter("all_to_all_single", comm, self.move_types[input.dtype],
-                                   input.numel() // comm.Get_size(), timeout, MPIPending)
+                                   input.numel() // comm.Get_size(), timeout)
 
     def _native_send(self, comm, timeout, t, peer, tag):
-        return self.native.Starter("send", comm, self.move_types[t.dtype], t.numel(), timeout, MPIP2PPending,
+        return self.native.Starter("send", comm, self.move_types[t.dtype], t.numel(), timeout,
                                    root=peer, tag=tag)
 
     def _native_recv(self, comm, timeout, t, peer, tag):
-        return self.native.Starter("recv", comm, self.move_types[t.dtype], t.numel(), timeout, MPIP2PPending,
+        return self.native.Starter("recv", comm, self.move_types[t.dtype], t.numel(), timeout,
                                    root=peer, tag=tag)
 
     def broadcast(self, comm, tensor, root):

@@ -4,14 +4,16 @@
  * (see native.py); communicators, datatypes and ops come in as mpi4py objects.
  *
  * A start returns DONE once complete, or, when `timeout` seconds pass first,
- * the still-pending request wrapped by the starter's `pending` (the caller
- * abandons it; MPI may still write the buffers, which it keeps alive). A
- * `timeout` of 0 or less only starts the op: the async fast paths, whose
- * requests the engine tracks. MPI errors raise the class given to setup
- * (mcrdl's CommError) naming the MPI call and MPI's message; counts outside
- * C int raise OverflowError. */
+ * the still-pending request as a Request (work.py's Pending, compiled: the
+ * engine tests and waits for it without a Python frame; it keeps the buffers
+ * alive while MPI may use them). A `timeout` of 0 or less only starts the op:
+ * the async fast paths, whose requests the engine tracks. MPI errors at the
+ * start raise the class given to setup (mcrdl's CommError) naming the MPI call
+ * and MPI's message, errors in a later test a RuntimeError (the engine names
+ * the op); counts outside C int raise OverflowError. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <mpi.h>
 #include <mpi4py/mpi4py.h>
 #include <limits.h>
@@ -83,31 +85,183 @@ static PyObject *mpi_error(int rc, const char *call)
     return NULL;
 }
 
-/* The end of every op: `rc` from starting `call`, then the wait. */
-static PyObject *finish(int rc, MPI_Request req, double timeout, const char *call)
+/* The end of every start: `rc` from starting `call`, then the wait; 1 once
+ * complete, 0 still pending, -1 with an exception set. */
+static int wait_started(int rc, MPI_Request *req, double timeout, const char *call)
 {
     if (rc != MPI_SUCCESS)
-        return mpi_error(rc, call);
-    if (timeout <= 0.0) { /* start only: the engine tests it (and reports its errors) */
-        rc = 0;
-    } else {
+        return mpi_error(rc, call), -1;
+    if (timeout <= 0.0) /* start only: the engine tests it (and reports its errors) */
+        return 0;
+    Py_BEGIN_ALLOW_THREADS
+    rc = wait_request(req, timeout);
+    Py_END_ALLOW_THREADS
+    return rc < 0 ? (mpi_error(-rc, call), -1) : rc;
+}
+
+/* A started request mcrdl's engine tracks (the Pending protocol of work.py):
+ * test() and block(deadline) call MPI_Test, the latter without the GIL; a
+ * point-to-point one can be withdrawn (cancel). It keeps the tensors MPI uses
+ * and, for the uneven all-to-all, the count arrays MPI may read, freed once
+ * it completes (one dropped while pending leaves them to MPI). */
+typedef struct {
+    PyObject_HEAD
+    MPI_Request req;
+    int p2p;
+    int *arrays;
+    PyObject *keep;
+} Request;
+
+static PyTypeObject RequestType;
+
+/* A Request for `req`, keeping args[0..tensors-1]; if none can be made, the
+ * op is waited for (MPI owns the buffers until then) and NULL returned. */
+static PyObject *request_new(MPI_Request req, int p2p, int *arrays, PyObject *const *args, int tensors)
+{
+    Request *r = PyObject_New(Request, &RequestType);
+    PyObject *keep = r ? PyTuple_New(tensors) : NULL;
+    if (keep == NULL) {
         Py_BEGIN_ALLOW_THREADS
-        rc = wait_request(&req, timeout);
+        MPI_Wait(&req, MPI_STATUS_IGNORE);
+        Py_END_ALLOW_THREADS
+        free(arrays);
+        if (r != NULL) {
+            r->keep = NULL;
+            r->arrays = NULL;
+            r->req = MPI_REQUEST_NULL;
+            Py_DECREF(r);
+        }
+        return NULL;
+    }
+    for (int i = 0; i < tensors; i++)
+        PyTuple_SET_ITEM(keep, i, Py_NewRef(args[i]));
+    r->req = req;
+    r->p2p = p2p;
+    r->arrays = arrays;
+    r->keep = keep;
+    return (PyObject *)r;
+}
+
+/* What a test or block of `r` found: rc as wait_request's. */
+static PyObject *request_state(Request *r, int rc)
+{
+    if (rc < 0) {
+        char msg[MPI_MAX_ERROR_STRING];
+        int len = 0;
+        if (MPI_Error_string(-rc, msg, &len) != MPI_SUCCESS)
+            len = 0;
+        msg[len] = '\0';
+        return PyErr_Format(PyExc_RuntimeError, "MPI_Test: MPI error %d: %s", -rc, msg);
+    }
+    if (rc > 0 && r->arrays != NULL) {
+        free(r->arrays);
+        r->arrays = NULL;
+    }
+    return PyBool_FromLong(rc);
+}
+
+static PyObject *request_test(Request *r, PyObject *unused)
+{
+    int flag = 1, rc = MPI_SUCCESS;
+    if (r->req != MPI_REQUEST_NULL)
+        rc = MPI_Test(&r->req, &flag, MPI_STATUS_IGNORE);
+    return request_state(r, rc != MPI_SUCCESS ? -rc : flag);
+}
+
+static PyObject *request_block(Request *r, PyObject *deadline)
+{
+    double until = PyFloat_AsDouble(deadline);
+    int rc = 1;
+    if (until == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (r->req != MPI_REQUEST_NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = wait_request(&r->req, until - now_s());
         Py_END_ALLOW_THREADS
     }
-    if (rc < 0)
-        return mpi_error(-rc, call);
-    if (rc == 0) {
-        PyObject *pending = PyMPIRequest_New(req);
-        if (pending == NULL) { /* MPI still owns the buffers: wait before failing */
-            Py_BEGIN_ALLOW_THREADS
-            MPI_Wait(&req, MPI_STATUS_IGNORE);
-            Py_END_ALLOW_THREADS
-        }
-        return pending;
-    }
+    return request_state(r, rc);
+}
+
+static PyObject *request_cancel(Request *r, PyObject *unused)
+{
+    if (r->p2p && r->req != MPI_REQUEST_NULL) /* (one already matched completes anyway) */
+        MPI_Cancel(&r->req);
     Py_RETURN_NONE;
 }
+
+static PyObject *request_nothing(Request *r, PyObject *unused)
+{
+    Py_RETURN_NONE;
+}
+
+static PyObject *request_source(Request *r, PyObject *unused)
+{
+    PyErr_SetString(PyExc_NotImplementedError, "a compiled receive names its peer: it has no other source");
+    return NULL;
+}
+
+static PyObject *request_domain(Request *r, void *unused)
+{
+    return PyUnicode_FromString("mpi");
+}
+
+static PyObject *request_true(Request *r, void *unused)
+{
+    Py_RETURN_TRUE;
+}
+
+static PyObject *request_none(Request *r, void *unused)
+{
+    Py_RETURN_NONE;
+}
+
+static void request_dealloc(Request *r)
+{
+    if (r->req == MPI_REQUEST_NULL)
+        free(r->arrays);
+    Py_XDECREF(r->keep);
+    PyObject_Free(r);
+}
+
+static PyObject *request_repr(Request *r)
+{
+    return PyUnicode_FromFormat("<compiled MPI request: %s>", r->req == MPI_REQUEST_NULL ? "complete" : "pending");
+}
+
+static PyMethodDef request_methods[] = {
+    {"test", (PyCFunction)request_test, METH_NOARGS, "True once complete; never blocks."},
+    {"block", (PyCFunction)request_block, METH_O, "Wait until complete or the deadline (monotonic s)."},
+    {"cancel", (PyCFunction)request_cancel, METH_NOARGS, "Withdraw a point-to-point request."},
+    {"prepare_poll", (PyCFunction)request_nothing, METH_NOARGS, NULL},
+    {"native_future", (PyCFunction)request_nothing, METH_NOARGS, NULL},
+    {"source", (PyCFunction)request_source, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef request_getset[] = {
+    {"progress_domain", (getter)request_domain, NULL, "MPI progresses only inside MPI calls.", NULL},
+    {"resumable_block", (getter)request_true, NULL, NULL, NULL},
+    {"stream", (getter)request_none, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef request_members[] = {
+    {"keep", T_OBJECT, offsetof(Request, keep), READONLY, "The tensors MPI may use until it completes."},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject RequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mcrdl_mpi_native.Request",
+    .tp_basicsize = sizeof(Request),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A started MPI request the engine tracks (see mpi_native.c).",
+    .tp_dealloc = (destructor)request_dealloc,
+    .tp_repr = (reprfunc)request_repr,
+    .tp_methods = request_methods,
+    .tp_getset = request_getset,
+    .tp_members = request_members,
+};
 
 /* An int argument that fits C int; -1 with OverflowError otherwise. */
 static int as_int(PyObject *o, int *out)
@@ -155,14 +309,14 @@ static int counts_of(PyObject *seq, int size, int *counts, int *displs)
 
 /* A Starter is one op's start-and-wait with everything but the buffers fixed
  * (a plan's start, see backends/mpi.py): Starter(op, comm, datatype, count,
- * timeout, pending, reduction=None, root=0, tag=0), where `op` is the mcrdl
+ * timeout, reduction=None, root=0, tag=0), where `op` is the mcrdl
  * op it runs, `root` is the root or the peer, `count` the elements of the
  * single buffer (all_gather_into_tensor: sent; reduce_scatter_tensor:
  * received; all_to_all_single's even form: per peer), `reduction` an MPI op.
  * Called with the op's tensors (None for a buffer this rank does not pass;
  * all_to_all_single also takes the output and input element counts per peer,
  * or two Nones for even rows) it reads their addresses, starts the op and
- * waits: DONE once complete, else pending(request, *tensors).
+ * waits: DONE once complete, else its Request.
  * The compiled driver (facts.cpp's drive) calls `starter_start` (exported as
  * the capsule `start`) with addresses it read itself: no Python per call. */
 enum kind { ALL_REDUCE, BROADCAST, REDUCE, ALL_GATHER, REDUCE_SCATTER, GATHER, SCATTER, ALL_TO_ALL, SEND, RECV };
@@ -186,33 +340,29 @@ typedef struct {
     MPI_Datatype *dt;
     MPI_Op *reduction;
     PyObject *held[3]; /* comm, datatype, reduction */
-    PyObject *pending;
 } Starter;
 
 static PyObject *done = NULL; /* setup(): what a start returns once complete */
 static PyObject *s_data_ptr = NULL; /* "data_ptr", interned at import */
 
-/* all_to_all_single's uneven form: MPI may read the count arrays until the op
- * completes, so after a timeout they are left allocated. */
-static PyObject *start_uneven(Starter *s, void *sbuf, void *rbuf, PyObject *out_counts, PyObject *in_counts)
+/* Start all_to_all_single's uneven form: MPI_Ialltoallv's return code, or -1
+ * with an exception set (bad counts). The count arrays MPI may read until it
+ * completes are left in *arrays. */
+static int start_uneven(Starter *s, void *sbuf, void *rbuf, PyObject *out_counts, PyObject *in_counts,
+                        MPI_Request *req, int **arrays)
 {
     int size, rc;
-    MPI_Request req = MPI_REQUEST_NULL;
     if ((rc = MPI_Comm_size(*s->comm, &size)) != MPI_SUCCESS)
-        return mpi_error(rc, "MPI_Comm_size");
-    int *arrays = malloc(4 * (size_t)size * sizeof(int));
-    if (arrays == NULL)
-        return PyErr_NoMemory();
-    int *sc = arrays, *sd = arrays + size, *rcn = arrays + 2 * size, *rd = arrays + 3 * size;
-    if (counts_of(in_counts, size, sc, sd) < 0 || counts_of(out_counts, size, rcn, rd) < 0) {
-        free(arrays);
-        return NULL;
+        return mpi_error(rc, "MPI_Comm_size"), -1;
+    int *a = malloc(4 * (size_t)size * sizeof(int));
+    if (a == NULL)
+        return PyErr_NoMemory(), -1;
+    if (counts_of(in_counts, size, a, a + size) < 0 || counts_of(out_counts, size, a + 2 * size, a + 3 * size) < 0) {
+        free(a);
+        return -1;
     }
-    rc = MPI_Ialltoallv(sbuf, sc, sd, *s->dt, rbuf, rcn, rd, *s->dt, *s->comm, &req);
-    PyObject *out = finish(rc, req, s->timeout, "MPI_Ialltoallv");
-    if (out == NULL || out == Py_None) /* failed or complete: MPI no longer reads them */
-        free(arrays);
-    return out;
+    *arrays = a;
+    return MPI_Ialltoallv(sbuf, a, a + size, *s->dt, rbuf, a + 2 * size, a + 3 * size, *s->dt, *s->comm, req);
 }
 
 /* Start s's op on the buffers at `addr` (one per tensor) and wait; `args`:
@@ -230,8 +380,7 @@ static PyObject *starter_start(PyObject *self, void *const *addr, PyObject *cons
     MPI_Datatype dt = *s->dt;
     MPI_Request req = MPI_REQUEST_NULL;
     const char *call;
-    int rc, c = s->count;
-    PyObject *out;
+    int rc, c = s->count, *arrays = NULL;
     switch (s->kind) {
     case ALL_REDUCE:
         call = "MPI_Iallreduce";
@@ -264,8 +413,10 @@ static PyObject *starter_start(PyObject *self, void *const *addr, PyObject *cons
         break;
     case ALL_TO_ALL:
         if (args[3] != Py_None) {
-            out = start_uneven(s, a1, a0, args[2], args[3]);
-            goto wrap;
+            call = "MPI_Ialltoallv";
+            if ((rc = start_uneven(s, a1, a0, args[2], args[3], &req, &arrays)) < 0)
+                return NULL;
+            break;
         }
         call = "MPI_Ialltoall";
         rc = MPI_Ialltoall(a1, c, dt, a0, c, dt, comm, &req);
@@ -279,18 +430,12 @@ static PyObject *starter_start(PyObject *self, void *const *addr, PyObject *cons
         rc = MPI_Irecv(a0, c, dt, s->root, s->tag, comm, &req);
         break;
     }
-    out = finish(rc, req, s->timeout, call);
-wrap:
-    if (out == Py_None) {
-        Py_DECREF(out);
-        Py_INCREF(done);
-        return done;
+    int state = wait_started(rc, &req, s->timeout, call);
+    if (state != 0) { /* failed or complete: MPI no longer reads the arrays */
+        free(arrays);
+        return state < 0 ? NULL : Py_NewRef(done);
     }
-    if (out != NULL) { /* still pending: pending(request, *tensors) keeps the tensors alive */
-        PyObject *call_args[3] = {out, args[0], KINDS[s->kind].tensors > 1 ? args[1] : NULL};
-        Py_SETREF(out, PyObject_Vectorcall(s->pending, call_args, 1 + KINDS[s->kind].tensors, NULL));
-    }
-    return out;
+    return request_new(req, s->kind == SEND || s->kind == RECV, arrays, args, KINDS[s->kind].tensors);
 }
 
 /* From Python: the tensors' addresses through data_ptr(). */
@@ -319,22 +464,19 @@ static PyObject *starter_call(PyObject *self, PyObject *const *args, size_t narg
 
 static PyObject *starter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"op", "comm", "datatype", "count", "timeout", "pending", "reduction", "root", "tag",
-                            NULL};
+    static char *names[] = {"op", "comm", "datatype", "count", "timeout", "reduction", "root", "tag", NULL};
     const char *op;
-    PyObject *comm, *dt, *pending, *reduction = Py_None, *count;
+    PyObject *comm, *dt, *reduction = Py_None, *count;
     int root = 0, tag = 0, kind, rank, rc;
     double timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOOOdO|Oii:Starter", names, &op, &comm, &dt, &count, &timeout,
-                                     &pending, &reduction, &root, &tag))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sOOOd|Oii:Starter", names, &op, &comm, &dt, &count, &timeout,
+                                     &reduction, &root, &tag))
         return NULL;
     for (kind = 0; kind < N_KINDS && strcmp(KINDS[kind].op, op) != 0; kind++)
         ;
     if (kind == N_KINDS)
         return PyErr_Format(PyExc_ValueError, "Starter: no compiled form of op %R", PyTuple_GET_ITEM(args, 0));
     int needs_reduction = kind == ALL_REDUCE || kind == REDUCE || kind == REDUCE_SCATTER;
-    if (!PyCallable_Check(pending))
-        return PyErr_Format(PyExc_TypeError, "Starter: pending must be callable, not %R", pending);
     Starter *s = (Starter *)type->tp_alloc(type, 0);
     if (s == NULL)
         return NULL;
@@ -346,7 +488,6 @@ static PyObject *starter_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     s->held[0] = Py_NewRef(comm);
     s->held[1] = Py_NewRef(dt);
     s->held[2] = Py_NewRef(reduction);
-    s->pending = Py_NewRef(pending);
     if (as_int(count, &s->count) < 0 || !(s->comm = PyMPIComm_Get(comm)) || !(s->dt = PyMPIDatatype_Get(dt))
         || (needs_reduction && !(s->reduction = PyMPIOp_Get(reduction)))) {
         Py_DECREF(s);
@@ -366,7 +507,6 @@ static int starter_traverse(Starter *s, visitproc visit, void *arg)
 {
     for (int i = 0; i < 3; i++)
         Py_VISIT(s->held[i]);
-    Py_VISIT(s->pending);
     return 0;
 }
 
@@ -374,7 +514,6 @@ static int starter_clear(Starter *s)
 {
     for (int i = 0; i < 3; i++)
         Py_CLEAR(s->held[i]);
-    Py_CLEAR(s->pending);
     return 0;
 }
 
@@ -451,7 +590,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_mpi_native", N
  * declares the same signature (typedef start_fn there). */
 PyMODINIT_FUNC PyInit_mcrdl_mpi_native(void)
 {
-    if (import_mpi4py() < 0 || PyType_Ready(&StarterType) < 0
+    if (import_mpi4py() < 0 || PyType_Ready(&StarterType) < 0 || PyType_Ready(&RequestType) < 0
         || (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -459,7 +598,8 @@ PyMODINIT_FUNC PyInit_mcrdl_mpi_native(void)
         return NULL;
     PyObject *capsule = PyCapsule_New((void *)starter_start, "mcrdl_mpi_native.start", NULL);
     if (capsule == NULL || PyModule_AddObjectRef(m, "start", capsule) < 0
-        || PyModule_AddObjectRef(m, "Starter", (PyObject *)&StarterType) < 0) {
+        || PyModule_AddObjectRef(m, "Starter", (PyObject *)&StarterType) < 0
+        || PyModule_AddObjectRef(m, "Request", (PyObject *)&RequestType) < 0) {
         Py_XDECREF(capsule);
         Py_DECREF(m);
         return NULL;
