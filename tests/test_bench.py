@@ -543,3 +543,25 @@ def test_drift_benchmark_records_every_job(tmp_path):
         # (a bucket the check opened again late in the run may still be exploring)
         assert set(r["winners"].values()) <= ({"mpi", "gloo", None} if r["drift"] else {"mpi", "gloo"}), r
         assert all(e["was"] in ("mpi", "gloo") for e in r["reopened"]) and (r["drift"] or not r["reopened"]), r
+
+
+# -- benchmarks/percall/pairs_median.py -------------------------------------------------------------
+def test_pairs_median_reads_ratios_and_the_torch_layers_addition(tmp_path):
+    """Medians over pairs of latency_vs_commit.sh's kept lines: ratios per cell, and
+    (``--added``) torch's µs, the API's and the layer's addition per pair."""
+    out = tmp_path / "ab.txt"
+    out.write_text("\n".join([
+        "== pair 1: abc1234", "│ all_reduce │ 3.00x (6.0 / 2.0; 2.0) │", "│ send/recv │ 6.00x (9.0 / 1.5; 2.5) │",
+        "== pair 1: this tree", "│ all_reduce │ 2.50x (5.0 / 2.0; 2.0) │", "│ send/recv │ 5.00x (8.0 / 1.6; 2.4) │",
+        "== pair 2: abc1234", "│ all_reduce │ 3.20x (6.4 / 2.0; 2.2) │", "│ send/recv │ 6.20x (9.3 / 1.5; 2.4) │",
+        "== pair 2: this tree", "│ all_reduce │ 2.70x (5.4 / 2.0; 2.2) │", "│ send/recv │ 5.40x (8.6 / 1.6; 2.6) │",
+    ]) + "\n")
+    script = ROOT / "benchmarks" / "percall" / "pairs_median.py"
+    ratios = subprocess.run([sys.executable, script, out], capture_output=True, text=True, timeout=60)
+    ok(ratios)
+    assert "| all_reduce | 3.10 → 2.60 |" in ratios.stdout and "2 cells fell, 0 rose" in ratios.stdout, ratios.stdout
+    added = subprocess.run([sys.executable, script, out, "--added"], capture_output=True, text=True, timeout=60)
+    ok(added)
+    assert added.stdout.splitlines() == [
+        "| all_reduce | 6.2 → **5.2** (API 2.0 → 2.0; added 2.1 → **1.1**) |",
+        "| send/recv | 9.2 → **8.3** (API 1.5 → 1.6; added 5.2 → **4.2**) |"], added.stdout
