@@ -65,8 +65,6 @@ _REDUCE_OPS = {"SUM": ReduceOp.SUM, "AVG": ReduceOp.AVG, "PRODUCT": ReduceOp.PRO
 #: int(torch's RedOpType) -> mcrdl ReduceOp: the same table keyed by the enum's
 #: value (a pybind enum's ``name``, and even its ``==``, costs a microsecond per call).
 _REDUCE_KINDS = {int(getattr(dist.ReduceOp.RedOpType, n)): op for n, op in _REDUCE_OPS.items()}
-_TorchReduceOp = dist.ReduceOp
-_SPARSE_COO = torch.sparse_coo
 _TORCH_SUM = dist.ReduceOp.SUM  # (a torch ReduceOp compares with it cheaply)
 
 
@@ -191,7 +189,7 @@ def _reduce_op(opts, what: str, dtype: torch.dtype) -> ReduceOp:
     if opts is None:
         return ReduceOp.SUM
     op = opts.reduceOp
-    if type(op) is _TorchReduceOp and op == _TORCH_SUM:  # most calls: one comparison, cheaper than below
+    if type(op) is dist.ReduceOp and op == _TORCH_SUM:  # most calls: one comparison, cheaper than below
         return ReduceOp.SUM
     return _other_reduce_op(op, what, dtype)
 
@@ -403,14 +401,14 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = "allreduce"
-        t = tensors[0] if len(tensors) == 1 else _one(op, tensors)
+        t = _one(op, tensors)
         rop = _reduce_op(opts, op, t.dtype)
-        if t.layout is _SPARSE_COO:
+        if t.layout == torch.sparse_coo:
             if rop is not ReduceOp.SUM:
                 raise UnsupportedError(f"{op}: sparse tensors reduce with SUM only (as gloo), not {rop.name}")
             _sparse_all_reduce(t, self._g)
             return MCRDLTorchWork(None, [t], op)
-        return self._start(op, opts, ops.ALL_REDUCE, (t,), (rop,), tensors)
+        return self._start(op, opts, ops.ALL_REDUCE, (t,), (rop,), [t])
 
     def allreduce_coalesced(self, tensors, opts=None):
         op = "allreduce_coalesced"
@@ -553,12 +551,10 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         return MCRDLTorchWork(work, [t], name)
 
     def send(self, tensors, dstRank, tag=0):
-        t = tensors[0] if len(tensors) == 1 else _one("send", tensors)
-        return self._p2p("send", ops.ISEND, t, self._global(int(dstRank), "send dst"), tag)
+        return self._p2p("send", ops.ISEND, _one("send", tensors), self._global(int(dstRank), "send dst"), tag)
 
     def recv(self, tensors, srcRank, tag=0):
-        t = tensors[0] if len(tensors) == 1 else _one("recv", tensors)
-        return self._p2p("recv", ops.IRECV, t, self._global(int(srcRank), "recv src"), tag)
+        return self._p2p("recv", ops.IRECV, _one("recv", tensors), self._global(int(srcRank), "recv src"), tag)
 
     def recv_anysource(self, tensors, tag=0):
         return self._p2p("recvAnySource", ops.IRECV, _one("recv", tensors), None, tag)
