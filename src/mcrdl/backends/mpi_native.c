@@ -19,6 +19,7 @@
 #include <limits.h>
 #include <sched.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -73,16 +74,22 @@ static int wait_request(MPI_Request *req, double timeout)
     }
 }
 
-static PyObject *mpi_error(int rc, const char *call)
+/* Raise `type` with `what`, then MPI's own words for `rc`; returns NULL. */
+static PyObject *raise_mpi(PyObject *type, const char *what, int rc)
 {
     char msg[MPI_MAX_ERROR_STRING];
     int len = 0;
     if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS)
         len = 0;
     msg[len] = '\0';
-    PyErr_Format(error_class ? error_class : PyExc_RuntimeError,
-                 "%s on backend 'mpi' failed: MPI error %d: %s", call, rc, msg);
-    return NULL;
+    return PyErr_Format(type, "%s: MPI error %d: %s", what, rc, msg);
+}
+
+static PyObject *mpi_error(int rc, const char *call)
+{
+    char what[64];
+    snprintf(what, sizeof what, "%s on backend 'mpi' failed", call);
+    return raise_mpi(error_class ? error_class : PyExc_RuntimeError, what, rc);
 }
 
 /* The end of every start: `rc` from starting `call`, then the wait; 1 once
@@ -145,14 +152,8 @@ static PyObject *request_new(MPI_Request req, int p2p, int *arrays, PyObject *co
 /* What a test or block of `r` found: rc as wait_request's. */
 static PyObject *request_state(Request *r, int rc)
 {
-    if (rc < 0) {
-        char msg[MPI_MAX_ERROR_STRING];
-        int len = 0;
-        if (MPI_Error_string(-rc, msg, &len) != MPI_SUCCESS)
-            len = 0;
-        msg[len] = '\0';
-        return PyErr_Format(PyExc_RuntimeError, "MPI_Test: MPI error %d: %s", -rc, msg);
-    }
+    if (rc < 0)
+        return raise_mpi(PyExc_RuntimeError, "MPI_Test", -rc);
     if (rc > 0 && r->arrays != NULL) {
         free(r->arrays);
         r->arrays = NULL;
@@ -200,9 +201,11 @@ static PyObject *request_source(Request *r, PyObject *unused)
     return NULL;
 }
 
+static PyObject *s_mpi = NULL; /* "mpi", interned at import: read on every async op */
+
 static PyObject *request_domain(Request *r, void *unused)
 {
-    return PyUnicode_FromString("mpi");
+    return Py_NewRef(s_mpi);
 }
 
 static PyObject *request_true(Request *r, void *unused)
@@ -591,7 +594,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_mpi_native", N
 PyMODINIT_FUNC PyInit_mcrdl_mpi_native(void)
 {
     if (import_mpi4py() < 0 || PyType_Ready(&StarterType) < 0 || PyType_Ready(&RequestType) < 0
-        || (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL)
+        || (s_data_ptr = PyUnicode_InternFromString("data_ptr")) == NULL
+        || (s_mpi = PyUnicode_InternFromString("mpi")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
