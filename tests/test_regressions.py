@@ -23,6 +23,18 @@ def test_an_async_start_that_raises_fails_naming_op_backend_and_cause(driver):
 
 
 @pytest.mark.parametrize("driver", ["compiled", "python"])
+def test_an_async_op_the_library_fails_raises_naming_op_backend_and_cause(driver):
+    """On the compiled wait (facts.cpp's ``finished``) and the pure-Python one. A
+    failed MPI op makes rank 1 abort MPI at exit (docs/faults.md), which may end rank
+    0 before it finishes: the exit status is not judged, the checks are."""
+    env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}
+    out = run_job(2, "regressions_job.py", "wait_error", timeout=120, env=env, expect_rc=None)
+    out.require(["the wait names op, backend and cause", "the failed receive is done, failed, not outstanding",
+                 "wait_error finished"], [1])
+    out.require(["the next call runs"], range(2))
+
+
+@pytest.mark.parametrize("driver", ["compiled", "python"])
 def test_a_plan_serves_only_calls_it_fits(driver):
     """The compiled driver and the pure-Python one (MCRDL_NATIVE=0) alike."""
     env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}

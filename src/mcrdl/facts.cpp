@@ -9,6 +9,7 @@
 // drive() is ops.run's compiled twin for the calls that run from a plan; it
 // starts the compiled MPI starters (adopt()) itself.
 #include <Python.h>
+#include <structmember.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
@@ -711,22 +712,182 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
-// adopt(Starter, start capsule): the compiled MPI starters drive() calls directly.
+// What finished() reads: Work's slots (their offsets, from its member
+// descriptors), the MPI Request type and work.RECEIVES; set by adopt().
+struct WorkSlots {
+    PyTypeObject *type = nullptr, *request = nullptr;
+    PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
+    PyObject *s_domains = nullptr, *s_lock = nullptr, *s_acquire = nullptr, *s_release = nullptr, *s_test = nullptr;
+    Py_ssize_t op, engine, pending, post, done, error, future, stream;
+} W;
+
+inline PyObject *&slot(PyObject *o, Py_ssize_t offset) { return *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(o) + offset); }
+
+inline void put(PyObject *o, Py_ssize_t offset, PyObject *value)
+{
+    Py_INCREF(value);
+    Py_XSETREF(slot(o, offset), value);
+}
+
+// Release ``lock`` keeping the error being raised, if any; false if the release failed.
+bool release(PyObject *lock)
+{
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyObject *out = PyObject_VectorcallMethod(W.s_release, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (out == nullptr) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(trace);
+        return false;
+    }
+    Py_DECREF(out);
+    PyErr_Restore(type, value, trace);
+    return true;
+}
+
+// finished(work, burst, turns): Work.wait()'s common case compiled: an
+// untimed wait for a work whose request is an MPI Request, MPI the only
+// library ever outstanding, no future and no completion steps. It makes up to
+// ``turns`` turns of ``burst`` tests under the engine's lock, as the Python
+// wait's first polls do (Engine._test_one); complete, it takes the work out of
+// the engine and marks it done as Work._finish does (True). False: not done
+// by then, or another case; the Python wait goes on from where this left it.
+// What a test raises (the library failed) raises here; the caller retires the
+// work with it.
+PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs("finished", n, 3))
+        return nullptr;
+    PyObject *work = args[0];
+    long burst = PyLong_AsLong(args[1]), turns = PyLong_AsLong(args[2]);
+    if ((burst == -1 || turns == -1) && PyErr_Occurred())
+        return nullptr;
+    if (W.type == nullptr || !PyObject_TypeCheck(work, W.type))
+        Py_RETURN_FALSE;
+    PyObject *pending = slot(work, W.pending), *post = slot(work, W.post), *engine = slot(work, W.engine);
+    if (pending == nullptr || Py_TYPE(pending) != W.request || engine == nullptr || post == nullptr
+        || !((PyTuple_CheckExact(post) && PyTuple_GET_SIZE(post) == 0)
+             || (PyList_CheckExact(post) && PyList_GET_SIZE(post) == 0)))
+        Py_RETURN_FALSE;
+    THPObjectPtr domains(PyObject_GetAttr(engine, W.s_domains));
+    if (!domains)
+        return nullptr;
+    if (!PyFrozenSet_CheckExact(domains.get()) || PySet_GET_SIZE(domains.get()) != 1)
+        Py_RETURN_FALSE;
+    int mpi_only = PySet_Contains(domains.get(), W.domain);
+    if (mpi_only <= 0)
+        return mpi_only < 0 ? nullptr : Py_NewRef(Py_False);
+    THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
+    if (!lock)
+        return nullptr;
+    PyObject *lock_arg = lock.get();
+    Py_INCREF(pending);
+    THPObjectPtr own(pending); // (another thread may finish the work and drop it between turns)
+    for (long turn = 0; turn < turns; turn++) {
+        THPObjectPtr held(PyObject_VectorcallMethod(W.s_acquire, &lock_arg, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+        if (!held)
+            return nullptr;
+        if (slot(work, W.done) != Py_False || slot(work, W.pending) != pending || slot(work, W.future) != Py_None) {
+            bool clean = slot(work, W.done) == Py_True && slot(work, W.error) == Py_None
+                         && slot(work, W.stream) == Py_None; // (finished by another thread)
+            if (!release(lock.get()))
+                return nullptr;
+            return Py_NewRef(clean ? Py_True : Py_False);
+        }
+        int complete = 0;
+        for (long i = 0; i < burst && complete == 0; i++) {
+            THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &pending, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+            complete = tested ? PyObject_IsTrue(tested.get()) : -1;
+        }
+        if (complete == 0) {
+            if (!release(lock.get()))
+                return nullptr;
+            continue;
+        }
+        THPObjectPtr outstanding(complete == 1 ? PyObject_GetAttr(engine, s_outstanding) : nullptr);
+        int receive = outstanding ? PySet_Contains(W.receives, slot(work, W.op)) : -1;
+        if (receive < 0) {
+            release(lock.get());
+            return nullptr;
+        }
+        if (PyList_CheckExact(outstanding.get()))
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outstanding.get()); i++)
+                if (PyList_GET_ITEM(outstanding.get(), i) == work) {
+                    if (PyList_SetSlice(outstanding.get(), i, i + 1, nullptr) < 0) {
+                        release(lock.get());
+                        return nullptr;
+                    }
+                    break;
+                }
+        put(work, W.stream, Py_None); // (an MPI Request's results are in place: no stream)
+        put(work, W.error, Py_None);
+        put(work, W.done, Py_True);
+        if (!receive) // (a receive's request still names its sender)
+            put(work, W.pending, Py_None);
+        put(work, W.post, W.empty);
+        if (!release(lock.get()))
+            return nullptr;
+        Py_RETURN_TRUE;
+    }
+    Py_RETURN_FALSE;
+}
+
+// The offset of type's slot ``name`` (a member descriptor of an object slot).
+Py_ssize_t offset_of(PyTypeObject *type, const char *name)
+{
+    PyObject *descr = PyDict_GetItemString(type->tp_dict, name);
+    if (descr == nullptr || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "adopt: %s has no slot %s", type->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *member = reinterpret_cast<PyMemberDescrObject *>(descr)->d_member;
+    if (member->type != T_OBJECT_EX && member->type != T_OBJECT) {
+        PyErr_Format(PyExc_TypeError, "adopt: %s.%s is not an object slot", type->tp_name, name);
+        return -1;
+    }
+    return member->offset;
+}
+
+// adopt(Starter, start capsule, Request, Work, RECEIVES): the compiled MPI
+// starters drive() calls directly, and what finished() needs to complete
+// their requests' works.
 PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs("adopt", n, 2))
+    if (!nargs("adopt", n, 5))
         return nullptr;
     void *fn = PyCapsule_GetPointer(args[1], "mcrdl_mpi_native.start");
     if (fn == nullptr)
         return nullptr;
-    if (!PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "adopt: the Starter type and its start capsule");
+    if (!PyType_Check(args[0]) || !PyType_Check(args[2]) || !PyType_Check(args[3]) || !PyFrozenSet_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "adopt: the Starter type, its start capsule, the Request and Work types "
+                                         "and a frozenset of receives");
         return nullptr;
     }
-    if (starter_type != reinterpret_cast<PyTypeObject *>(args[0]))
-        Py_INCREF(args[0]); // (kept for the process's life, as the module is)
+    auto *work = reinterpret_cast<PyTypeObject *>(args[3]);
+    WorkSlots w;
+    if ((w.op = offset_of(work, "op")) < 0 || (w.engine = offset_of(work, "_engine")) < 0
+        || (w.pending = offset_of(work, "_pending")) < 0 || (w.post = offset_of(work, "_post")) < 0
+        || (w.done = offset_of(work, "_done")) < 0 || (w.error = offset_of(work, "_error")) < 0
+        || (w.future = offset_of(work, "_future")) < 0 || (w.stream = offset_of(work, "_stream")) < 0)
+        return nullptr;
+    struct { PyObject **s; const char *text; } names[] = {
+        {&w.s_domains, "_domains"}, {&w.s_lock, "_lock"}, {&w.s_acquire, "acquire"}, {&w.s_release, "release"},
+        {&w.s_test, "test"}, {&w.domain, "mpi"}, {&s_outstanding, "outstanding"}};
+    for (auto &entry : names)
+        if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
+            return nullptr;
+    if ((w.empty = W.empty != nullptr ? W.empty : PyTuple_New(0)) == nullptr)
+        return nullptr;
+    // (each kept for the process's life, as the module is)
+    for (int i : {0, 2, 3, 4})
+        Py_INCREF(args[i]);
     starter_type = reinterpret_cast<PyTypeObject *>(args[0]);
     starter_start = reinterpret_cast<start_fn>(fn);
+    w.request = reinterpret_cast<PyTypeObject *>(args[2]);
+    w.type = work;
+    w.receives = args[4];
+    W = w;
     Py_RETURN_NONE;
 }
 
@@ -735,6 +896,7 @@ PyMethodDef methods[] = {
     {"plan_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(plan_key)), METH_FASTCALL, nullptr},
     {"drive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(drive)), METH_FASTCALL, nullptr},
     {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(setup)), METH_FASTCALL, nullptr},
+    {"finished", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(finished)), METH_FASTCALL, nullptr},
     {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(adopt)), METH_FASTCALL, nullptr},
     {"pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pair)), METH_FASTCALL, nullptr},
     {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL, nullptr},

@@ -286,6 +286,12 @@ def _conflict(new: list, old: list) -> bool:
 RECEIVES = frozenset({"recv", "irecv"})
 
 
+def _finished(work: "Work", burst: int, turns: int) -> bool:
+    """facts.cpp's ``finished`` where compiled (its fast case of :meth:`Work.wait`);
+    here nothing is: the Python wait does it all."""
+    return False
+
+
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
@@ -339,6 +345,12 @@ class Work:
         missing. With ``timeout`` a :class:`CommTimeoutError` is raised but the
         work stays outstanding: it can be waited for again. CUDA tensors: the
         caller's current stream is ordered after the results, as with torch."""
+        if not self._done and timeout is None:
+            try:  # (an MPI request the compiled path completes, when it is done by now)
+                if _finished(self, _burst, FIRST_POLLS):
+                    return True
+            except Exception as exc:  # the library failed
+                self._engine._retire(self, exc)
         if not self._done:
             if timeout is None:
                 self._engine.wait(self, self._deadline)
@@ -455,7 +467,10 @@ class Engine:
         self._fresh = False  # a work arrived since the futures thread's spin began
         self._closing = False
         self.lost: dict[int, tuple] = {}  # global rank -> (how it died, when): the watchdog's
-        self._ranges = facts.load().ranges  # compiled: None for what only facts.ranges reads
+        compiled = facts.load()
+        self._ranges = compiled.ranges  # compiled: None for what only facts.ranges reads
+        global _finished
+        _finished = getattr(compiled, "finished", _finished)
         self._domains: frozenset = frozenset()  # progress domains of every work ever tracked
 
     # -- futures ---------------------------------------------------------------

@@ -19,6 +19,7 @@ from mcrdl import api, ops
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+engine = api.current_runtime().engine
 verdicts.set_rank(rank)
 ALL, ROOT = tuple(range(world)), world - 1
 #: the driver the API's functions call, swapped per pass (``api.run_op``)
@@ -129,9 +130,13 @@ def send_recv(kw, dtype, n, s):
     even ranks send first, odd ranks receive first; the job runs on an even number of ranks)."""
     nxt, prv, backend = (rank + 1) % world, (rank - 1) % world, kw["backend"]
     got, src = torch.empty(n, dtype=dtype), value(rank, n, dtype, s)
-    if kw["async_op"]:
-        for work in [mcrdl.irecv(got, prv, tag=s, backend=backend), mcrdl.isend(src, nxt, tag=s, backend=backend)]:
+    if kw["async_op"]:  # (odd calls receive from any source: only prv sends this tag here; not
+        any_source = s % 2 == 1 and n > 0  # 0 B: gloo's any-source receive refuses an empty buffer)
+        receive = mcrdl.irecv(got, None if any_source else prv, tag=s, backend=backend)
+        for work in [receive, mcrdl.isend(src, nxt, tag=s, backend=backend)]:
             work.wait()
+        verdicts.check(f"[{backend} irecv numel={n} src={'any' if any_source else 'prv'}] source_rank",
+                       receive.source_rank() == prv, prv, receive.source_rank())
     elif rank % 2 == 0:
         mcrdl.send(src, nxt, tag=s, backend=backend)
         mcrdl.recv(got, prv, tag=s, backend=backend)
@@ -169,6 +174,9 @@ for backend in args.backends or mcrdl.live_backends("cpu"):
                             elif case is not send_recv:
                                 verdicts.check(tag + " returns None", work is None, None, work)
                             verdicts.check_equal(tag, [g for g, _ in checks], [w for _, w in checks])
+                            if async_op:  # a waited work leaves the engine, on every wait path
+                                verdicts.check(tag + " leaves nothing outstanding", not engine.outstanding, [],
+                                               list(engine.outstanding))
                             calls += 1
                 api.run_op = DRIVERS["api"]
 verdicts.check("paths done", True)

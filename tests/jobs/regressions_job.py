@@ -448,11 +448,39 @@ def start_error():
     verdicts.check("the next call runs", torch.equal(t, torch.full((4,), 2.0 * world)), 2.0 * world, t)
 
 
+def wait_error():
+    """An async receive that MPI fails at completion (the message is longer than
+    its buffer), waited for on the compiled wait or the Python one: a CommError
+    naming the op, the backend and MPI's words, caused by the library's error; the
+    work is done, failed and no longer outstanding; the next call runs."""
+    engine = mcrdl.api.current_runtime().engine
+    for tag in (7, 8):  # (the second from the receive's plan)
+        if rank == 0:
+            mcrdl.send(torch.ones(8), 1, tag=tag, backend="mpi")
+        elif rank == 1:
+            work = mcrdl.irecv(torch.zeros(4), 0, tag=tag, backend="mpi")
+            try:
+                work.wait()
+            except mcrdl.CommError as exc:
+                verdicts.check("the wait names op, backend and cause", "irecv on backend 'mpi' failed" in str(exc)
+                               and "truncated" in str(exc) and exc.__cause__ is not None,
+                               "irecv ... truncated, with a cause", f"{exc!r} from {exc.__cause__!r}")
+            else:
+                verdicts.check("the wait names op, backend and cause", False, "CommError", "no error")
+            verdicts.check("the failed receive is done, failed, not outstanding",
+                           work.is_completed() and not work.is_success() and not engine.outstanding,
+                           "done, failed, nothing outstanding", (work, engine.outstanding))
+    t = torch.ones(4)
+    mcrdl.all_reduce(t, backend="mpi")
+    verdicts.check("the next call runs", torch.equal(t, torch.full((4,), float(world))), float(world), t)
+
+
 {"collective_order": collective_order, "p2p_order": p2p_order, "staging": staging, "aliased": aliased, "future": future, "futures_thread": futures_thread,
  "callbacks": callbacks,
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
- "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released, "plan_fit": plan_fit, "start_error": start_error}[case]()
+ "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released, "plan_fit": plan_fit, "start_error": start_error,
+ "wait_error": wait_error}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
