@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <ctime>
 
 namespace {
 
@@ -453,6 +454,108 @@ PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
     return starter_start(start, addr, argv, argc);
 }
 
+// What finished() reads: Work's slots (their offsets, from its member
+// descriptors), the MPI Request type and work.RECEIVES; set by adopt().
+struct WorkSlots {
+    PyTypeObject *type = nullptr, *request = nullptr;
+    PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
+    PyObject *s_domains = nullptr, *s_lock = nullptr, *s_acquire = nullptr, *s_release = nullptr, *s_test = nullptr;
+    PyObject *s_timeout = nullptr, *s_domain = nullptr;
+    Py_ssize_t op, engine, pending, post, done, error, future, stream, backend, group, peer, reads, writes, deadline,
+        result, settled, spans;
+} W;
+
+inline PyObject *&slot(PyObject *o, Py_ssize_t offset) { return *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(o) + offset); }
+
+inline void put(PyObject *o, Py_ssize_t offset, PyObject *value)
+{
+    Py_INCREF(value);
+    Py_XSETREF(slot(o, offset), value);
+}
+
+// Release ``lock`` keeping the error being raised, if any; false if the release failed.
+bool release(PyObject *lock)
+{
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyObject *out = PyObject_VectorcallMethod(W.s_release, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    if (out == nullptr) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(trace);
+        return false;
+    }
+    Py_DECREF(out);
+    PyErr_Restore(type, value, trace);
+    return true;
+}
+
+// track(engine, g, name, backend, pending, reads, writes, result, spans, peer):
+// Engine.run for a started async op, compiled: its Work, made here with every
+// slot Work.__init__ sets, added to the engine's outstanding works (and its
+// library to the engine's progress domains) under the engine's lock. None:
+// Work is not adopted, or a member of the group died meanwhile: Engine.run's turn.
+PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend, PyObject *pending, PyObject *reads,
+                PyObject *writes, PyObject *result, PyObject *spans, PyObject *peer)
+{
+    int lost = W.type != nullptr ? truth(engine, s_lost) : 1;
+    if (lost != 0)
+        return lost < 0 ? nullptr : Py_NewRef(Py_None);
+    THPObjectPtr timeout(PyObject_GetAttr(g, W.s_timeout));
+    double seconds = timeout ? PyFloat_AsDouble(timeout.get()) : -1.0;
+    if (seconds == -1.0 && PyErr_Occurred())
+        return nullptr;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now); // (time.monotonic()'s clock)
+    THPObjectPtr deadline(PyFloat_FromDouble(static_cast<double>(now.tv_sec) + now.tv_nsec * 1e-9 + seconds));
+    THPObjectPtr domain(deadline ? PyObject_GetAttr(pending, W.s_domain) : nullptr);
+    THPObjectPtr work(domain ? W.type->tp_alloc(W.type, 0) : nullptr);
+    if (!work)
+        return nullptr;
+    PyObject *o = work.get();
+    put(o, W.op, name);
+    put(o, W.backend, backend);
+    put(o, W.group, g);
+    put(o, W.peer, peer);
+    put(o, W.engine, engine);
+    put(o, W.pending, pending);
+    put(o, W.post, W.empty);
+    put(o, W.reads, reads);
+    put(o, W.writes, writes);
+    put(o, W.deadline, deadline.get());
+    put(o, W.done, Py_False);
+    put(o, W.error, Py_None);
+    put(o, W.result, result);
+    put(o, W.future, Py_None);
+    put(o, W.settled, Py_False);
+    put(o, W.spans, spans);
+    put(o, W.stream, Py_None);
+    THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
+    if (!lock)
+        return nullptr;
+    PyObject *lock_arg = lock.get();
+    THPObjectPtr held(PyObject_VectorcallMethod(W.s_acquire, &lock_arg, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+    if (!held)
+        return nullptr;
+    bool ok = true;
+    if (domain.get() != Py_None) { // (the set is replaced, never mutated: readers take it without the lock)
+        THPObjectPtr domains(PyObject_GetAttr(engine, W.s_domains));
+        int known = domains ? PySet_Contains(domains.get(), domain.get()) : -1;
+        if (known == 0) {
+            THPObjectPtr one(PyFrozenSet_New(nullptr));
+            ok = one && PySet_Add(one.get(), domain.get()) == 0;
+            THPObjectPtr more(ok ? PyNumber_Or(domains.get(), one.get()) : nullptr);
+            ok = more && PyObject_SetAttr(engine, W.s_domains, more.get()) == 0;
+        } else
+            ok = known == 1;
+    }
+    THPObjectPtr outstanding(ok ? PyObject_GetAttr(engine, s_outstanding) : nullptr);
+    ok = outstanding && PyList_Append(outstanding.get(), o) == 0;
+    if (!release(lock.get()) || !ok)
+        return nullptr;
+    return work.release();
+}
+
 // An async call from its plan (ops._from_plan's async branch, with no observer):
 // ordered after outstanding work on the same memory, started, tracked by the
 // engine; its Work.
@@ -500,9 +603,14 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     THPObjectPtr result(PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes.get() : reads.get()));
     if (!result)
         return nullptr;
+    PyObject *work = track(engine, g, name, backend, pending.get(), reads.get(), writes.get(), result.get(), spans.get(),
+                           PyTuple_GET_ITEM(plan, 3));
+    if (work != Py_None)
+        return work;
+    Py_DECREF(work);
     PyObject *run_args[11] = {engine, name, backend, pending.get(), reads.get(), writes.get(), D.empty, g,
                               result.get(), Py_True, spans.get()};
-    PyObject *work = PyObject_VectorcallMethod(s_run, run_args, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    work = PyObject_VectorcallMethod(s_run, run_args, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
     if (work != nullptr && PyObject_SetAttr(work, s_peer, PyTuple_GET_ITEM(plan, 3)) < 0)
         Py_CLEAR(work);
     return work;
@@ -712,40 +820,6 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     Py_RETURN_NONE;
 }
 
-// What finished() reads: Work's slots (their offsets, from its member
-// descriptors), the MPI Request type and work.RECEIVES; set by adopt().
-struct WorkSlots {
-    PyTypeObject *type = nullptr, *request = nullptr;
-    PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
-    PyObject *s_domains = nullptr, *s_lock = nullptr, *s_acquire = nullptr, *s_release = nullptr, *s_test = nullptr;
-    Py_ssize_t op, engine, pending, post, done, error, future, stream;
-} W;
-
-inline PyObject *&slot(PyObject *o, Py_ssize_t offset) { return *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(o) + offset); }
-
-inline void put(PyObject *o, Py_ssize_t offset, PyObject *value)
-{
-    Py_INCREF(value);
-    Py_XSETREF(slot(o, offset), value);
-}
-
-// Release ``lock`` keeping the error being raised, if any; false if the release failed.
-bool release(PyObject *lock)
-{
-    PyObject *type, *value, *trace;
-    PyErr_Fetch(&type, &value, &trace);
-    PyObject *out = PyObject_VectorcallMethod(W.s_release, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    if (out == nullptr) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(trace);
-        return false;
-    }
-    Py_DECREF(out);
-    PyErr_Restore(type, value, trace);
-    return true;
-}
-
 // finished(work, burst, turns): Work.wait()'s common case compiled: an
 // untimed wait for a work whose request is an MPI Request, MPI the only
 // library ever outstanding, no future and no completion steps. It makes up to
@@ -869,11 +943,17 @@ PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
     if ((w.op = offset_of(work, "op")) < 0 || (w.engine = offset_of(work, "_engine")) < 0
         || (w.pending = offset_of(work, "_pending")) < 0 || (w.post = offset_of(work, "_post")) < 0
         || (w.done = offset_of(work, "_done")) < 0 || (w.error = offset_of(work, "_error")) < 0
-        || (w.future = offset_of(work, "_future")) < 0 || (w.stream = offset_of(work, "_stream")) < 0)
+        || (w.future = offset_of(work, "_future")) < 0 || (w.stream = offset_of(work, "_stream")) < 0
+        || (w.backend = offset_of(work, "backend")) < 0 || (w.group = offset_of(work, "group")) < 0
+        || (w.peer = offset_of(work, "peer")) < 0 || (w.reads = offset_of(work, "_reads")) < 0
+        || (w.writes = offset_of(work, "_writes")) < 0 || (w.deadline = offset_of(work, "_deadline")) < 0
+        || (w.result = offset_of(work, "_result")) < 0 || (w.settled = offset_of(work, "_settled")) < 0
+        || (w.spans = offset_of(work, "_spans")) < 0)
         return nullptr;
     struct { PyObject **s; const char *text; } names[] = {
         {&w.s_domains, "_domains"}, {&w.s_lock, "_lock"}, {&w.s_acquire, "acquire"}, {&w.s_release, "release"},
-        {&w.s_test, "test"}, {&w.domain, "mpi"}, {&s_outstanding, "outstanding"}};
+        {&w.s_test, "test"}, {&w.domain, "mpi"}, {&s_outstanding, "outstanding"}, {&w.s_timeout, "timeout"},
+        {&w.s_domain, "progress_domain"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;

@@ -9,6 +9,7 @@ sizes from 0 B to 4 MiB x blocking/async, on every live CPU backend.
 """
 import argparse
 import functools
+import time
 
 import torch
 
@@ -170,6 +171,13 @@ for backend in args.backends or mcrdl.live_backends("cpu"):
                             work, checks = case(kw, dtype, numel, call)
                             if async_op and case is not send_recv:
                                 verdicts.check(tag + " returns a Work", isinstance(work, mcrdl.Work), "a Work", work)
+                                # (facts.cpp's track makes the API's from a plan: every slot Work.__init__ sets)
+                                unset = [a for a in mcrdl.Work.__slots__ if not hasattr(work, a)]
+                                verdicts.check(tag + " has every slot set", not unset, [], unset)
+                                left = work._deadline - time.monotonic()  # (no group: 0 B, done at once)
+                                due = 120 if work.group is not None else mcrdl.work.DEFAULT_TIMEOUT
+                                verdicts.check(tag + " is due the group's timeout from now", due - 10 < left <= due,
+                                               f"{due - 10}-{due} s", left)
                                 work.wait()
                             elif case is not send_recv:
                                 verdicts.check(tag + " returns None", work is None, None, work)
