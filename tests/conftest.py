@@ -1,10 +1,12 @@
 """Helpers: launch real multi-rank jobs through `mcrdl run` (MPICH's mpiexec)."""
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,41 @@ KINDS = {"test_fuzz": "unit", "test_order_checks": "unit", "test_selector": "uni
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(KINDS.get(item.module.__name__, "job"))
+
+
+#: test file -> [wall s, CPU s, tests]: what each file cost, printed at the end of the run
+_COST: dict = {}
+
+
+def _cpu_seconds():
+    """CPU seconds of pytest and of the processes it has waited for (its jobs'
+    launchers wait for their ranks; a process nobody waited for is not counted)."""
+    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    yield
+    cost = _COST.setdefault(item.location[0], [0.0, 0.0, 0])
+    cost[0] += time.monotonic() - wall
+    cost[1] += _cpu_seconds() - cpu
+    cost[2] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each test file's wall time and CPU time, slowest first: on this 2-core
+    machine a file near 2 cores is CPU-bound, one well below waits."""
+    if not _COST:
+        return
+    terminalreporter.section("time per test file (CPU: pytest and the processes it waited for)")
+    for path, (wall, cpu, tests) in sorted(_COST.items(), key=lambda kv: -kv[1][0]):
+        terminalreporter.write_line(f"{wall:8.1f} s {cpu:8.1f} CPU s {cpu / max(wall, 1e-9):5.2f} cores "
+                                    f"{tests:5d} tests  {path}")
+    wall, cpu = sum(c[0] for c in _COST.values()), sum(c[1] for c in _COST.values())
+    terminalreporter.write_line(f"{wall:8.1f} s {cpu:8.1f} CPU s {cpu / max(wall, 1e-9):5.2f} cores "
+                                f"{sum(c[2] for c in _COST.values()):5d} tests  in all")
 
 
 class JobOutput(str):

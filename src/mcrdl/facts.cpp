@@ -7,7 +7,8 @@
 // ranges() is the exception: it reads any strided tensor with storage (the
 // memory an async op touches, for the order check), CUDA ones too.
 // drive() is ops.run's compiled twin for the calls that run from a plan; it
-// starts the compiled MPI starters (adopt()) itself.
+// starts the compiled MPI starters (adopt()) itself, and an async call's Work
+// is made (track) and, on MPI, waited for (finished) here too.
 #include <Python.h>
 #include <structmember.h>
 #include <torch/csrc/Device.h>
@@ -454,8 +455,8 @@ PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
     return starter_start(start, addr, argv, argc);
 }
 
-// What finished() reads: Work's slots (their offsets, from its member
-// descriptors), the MPI Request type and work.RECEIVES; set by adopt().
+// What track() and finished() read: Work's slots (their offsets, from its
+// member descriptors), the MPI Request type and work.RECEIVES; set by adopt().
 struct WorkSlots {
     PyTypeObject *type = nullptr, *request = nullptr;
     PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
@@ -490,6 +491,81 @@ bool release(PyObject *lock)
     return true;
 }
 
+// Do two lists of ranges (ranges()'s third item) conflict: a byte of one
+// device in both, one of the two writing it (work.py's _conflict)? -1 on an error.
+int conflict(PyObject *mine, PyObject *theirs)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(mine); i++) {
+        PyObject *a = PyList_GET_ITEM(mine, i);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(theirs); j++) {
+            PyObject *b = PyList_GET_ITEM(theirs, j);
+            unsigned long long s1 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(a, 1)),
+                               e1 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(a, 2)),
+                               s2 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(b, 1)),
+                               e2 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(b, 2));
+            if (PyErr_Occurred())
+                return -1;
+            if (!(s1 < e2 && s2 < e1) || (PyTuple_GET_ITEM(a, 3) != Py_True && PyTuple_GET_ITEM(b, 3) != Py_True))
+                continue;
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(a, 0), PyTuple_GET_ITEM(b, 0), Py_EQ);
+            if (same != 0)
+                return same;
+        }
+    }
+    return 0;
+}
+
+// clear_of(engine, reads, writes): Engine.order_before's common case compiled:
+// the new op's ranges when no outstanding work's tensors conflict with its
+// own (each work's ranges computed once and kept in it, as order_before
+// does). None: order_before decides (a conflict, which it waits for and
+// names if it failed; a tensor only facts.ranges reads; a work not Work).
+PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
+{
+    PyObject *mine_args[2] = {reads, writes};
+    THPObjectPtr mine(ranges(nullptr, mine_args, 2));
+    THPObjectPtr outstanding(mine && mine.get() != Py_None && W.type != nullptr ? PyObject_GetAttr(engine, s_outstanding)
+                                                                               : nullptr);
+    if (!outstanding)
+        return mine.release();
+    THPObjectPtr works(PySequence_Tuple(outstanding.get())); // (a wait below may change the list)
+    if (!works)
+        return nullptr;
+    unsigned long long low = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mine.get(), 0)),
+                       high = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mine.get(), 1));
+    if (PyErr_Occurred())
+        return nullptr;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(works.get()); i++) {
+        PyObject *work = PyTuple_GET_ITEM(works.get(), i);
+        if (!PyObject_TypeCheck(work, W.type))
+            Py_RETURN_NONE;
+        if (slot(work, W.done) == Py_True)
+            continue;
+        PyObject *spans = slot(work, W.spans);
+        if (spans == nullptr || spans == Py_None) {
+            PyObject *reads_of = slot(work, W.reads), *writes_of = slot(work, W.writes);
+            if (reads_of == nullptr || writes_of == nullptr)
+                Py_RETURN_NONE;
+            PyObject *their_args[2] = {reads_of, writes_of};
+            THPObjectPtr theirs(ranges(nullptr, their_args, 2));
+            if (!theirs || theirs.get() == Py_None)
+                return theirs.release();
+            put(work, W.spans, theirs.get());
+            spans = slot(work, W.spans);
+        }
+        unsigned long long start = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 0)),
+                           end = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 1));
+        if (PyErr_Occurred())
+            return nullptr;
+        if (!(low < end && start < high))
+            continue;
+        int hit = conflict(PyTuple_GET_ITEM(mine.get(), 2), PyTuple_GET_ITEM(spans, 2));
+        if (hit != 0)
+            return hit < 0 ? nullptr : Py_NewRef(Py_None);
+    }
+    return mine.release();
+}
+
 // track(engine, g, name, backend, pending, reads, writes, result, spans, peer):
 // Engine.run for a started async op, compiled: its Work, made here with every
 // slot Work.__init__ sets, added to the engine's outstanding works (and its
@@ -513,23 +589,13 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
     if (!work)
         return nullptr;
     PyObject *o = work.get();
-    put(o, W.op, name);
-    put(o, W.backend, backend);
-    put(o, W.group, g);
-    put(o, W.peer, peer);
-    put(o, W.engine, engine);
-    put(o, W.pending, pending);
-    put(o, W.post, W.empty);
-    put(o, W.reads, reads);
-    put(o, W.writes, writes);
-    put(o, W.deadline, deadline.get());
-    put(o, W.done, Py_False);
-    put(o, W.error, Py_None);
-    put(o, W.result, result);
-    put(o, W.future, Py_None);
-    put(o, W.settled, Py_False);
-    put(o, W.spans, spans);
-    put(o, W.stream, Py_None);
+    struct { Py_ssize_t at; PyObject *value; } slots[] = {
+        {W.op, name}, {W.backend, backend}, {W.group, g}, {W.peer, peer}, {W.engine, engine}, {W.pending, pending},
+        {W.post, W.empty}, {W.reads, reads}, {W.writes, writes}, {W.deadline, deadline.get()}, {W.done, Py_False},
+        {W.error, Py_None}, {W.result, result}, {W.future, Py_None}, {W.settled, Py_False}, {W.spans, spans},
+        {W.stream, Py_None}};
+    for (auto &entry : slots)
+        put(o, entry.at, entry.value);
     THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
     if (!lock)
         return nullptr;
@@ -572,9 +638,12 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     PyObject *name = PyTuple_GET_ITEM(op, D.name), *backend = PyTuple_GET_ITEM(plan, 0);
     THPObjectPtr spans;
     if (busy) {
-        PyObject *order_args[4] = {engine, reads.get(), writes.get(), name};
-        spans = THPObjectPtr(PyObject_VectorcallMethod(s_order_before, order_args, 4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                                       nullptr));
+        spans = THPObjectPtr(clear_of(engine, reads.get(), writes.get()));
+        if (spans.get() == Py_None) {
+            PyObject *order_args[4] = {engine, reads.get(), writes.get(), name};
+            spans = THPObjectPtr(PyObject_VectorcallMethod(s_order_before, order_args,
+                                                           4 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+        }
     } else {
         Py_INCREF(Py_None);
         spans = THPObjectPtr(Py_None);

@@ -295,6 +295,8 @@ def _finished(work: "Work", burst: int, turns: int) -> bool:
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
+    # (facts.cpp's track() makes async MPI works from a plan and sets every slot, as
+    # __init__ does; finished() completes them as _finish does: a new slot goes there too)
     __slots__ = ("op", "backend", "group", "peer", "_engine", "_pending", "_post", "_reads", "_writes",
                  "_deadline", "_done", "_error", "_result", "_future", "_settled", "_spans", "_stream")
 

@@ -425,6 +425,22 @@ def collective_order():
         check(bool((got == 1).all()), "an MPI isend's buffer overwritten by a later broadcast", got[:4])
     else:
         mcrdl.broadcast(torch.zeros(n), 0, backend="gloo", async_op=True).wait()
+    # Async MPI calls from their plans (the compiled driver orders them in C): a call
+    # writing or reading what an outstanding one writes waits for it first (16 MiB:
+    # the first is still running when the second starts, unless the second waited).
+    a, out = torch.empty(4 << 20), torch.empty(world * (4 << 20))
+    for call in range(3):  # (the first call builds the plans)
+        a.fill_(1.0)
+        first = mcrdl.all_reduce(a, backend="mpi", async_op=True)
+        second = mcrdl.all_reduce(a, backend="mpi", async_op=True)
+        check(first._done, f"call {call}: an all_reduce waits for the one writing its tensor")
+        gather = mcrdl.all_gather_into_tensor(out, a, backend="mpi", async_op=True)
+        check(second._done, f"call {call}: an all_gather waits for the all_reduce writing its input")
+        third = mcrdl.all_reduce(a, backend="mpi", async_op=True)
+        check(gather._done, f"call {call}: an all_reduce waits for the all_gather reading its tensor")
+        third.wait()
+        check(bool((out == world * world).all()) and bool((a == world ** 3).all()),
+              f"call {call}: results in program order", (out[:2], a[:2]))
 
 
 def start_error():
