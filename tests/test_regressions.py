@@ -4,7 +4,7 @@ import pytest
 from conftest import run_job
 
 CASES = ["staging", "aliased", "future", "futures_thread", "callbacks", "polling", "parameters", "barrier", "destroy",
-         "multidim_blocks", "span_memo", "released", "p2p_order", "collective_order"]
+         "multidim_blocks", "span_memo", "released", "p2p_order", "collective_order", "gloo_plans_order"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -519,16 +519,18 @@ int conflict(PyObject *mine, PyObject *theirs)
 // the new op's ranges when no outstanding work's tensors conflict with its
 // own (each work's ranges computed once and kept in it, as order_before
 // does). None: order_before decides (a conflict, which it waits for and
-// names if it failed; a tensor only facts.ranges reads; a work not Work).
+// names if it failed; a tensor only facts.ranges reads; a work not Work; no
+// Work adopted, as in a process without MPI).
 PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
 {
+    if (W.type == nullptr) // (Work not adopted: no MPI in this process)
+        Py_RETURN_NONE;
     PyObject *mine_args[2] = {reads, writes};
     THPObjectPtr mine(ranges(nullptr, mine_args, 2));
-    THPObjectPtr outstanding(mine && mine.get() != Py_None && W.type != nullptr ? PyObject_GetAttr(engine, s_outstanding)
-                                                                               : nullptr);
-    if (!outstanding)
+    if (!mine || mine.get() == Py_None)
         return mine.release();
-    THPObjectPtr works(PySequence_Tuple(outstanding.get())); // (a wait below may change the list)
+    THPObjectPtr outstanding(PyObject_GetAttr(engine, s_outstanding));
+    THPObjectPtr works(outstanding ? PySequence_Tuple(outstanding.get()) : nullptr); // (a snapshot, as order_before's)
     if (!works)
         return nullptr;
     unsigned long long low = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mine.get(), 0)),

@@ -22,7 +22,8 @@ if case == "start_error":
             if tensor[0] < 0:
                 raise RuntimeError("refused by the test backend")
             return super().all_reduce(h, tensor, op)
-mcrdl.init_process_group(timeout=20)
+# gloo_plans_order: gloo alone, so MPI never hands its types to the compiled driver
+mcrdl.init_process_group(backends="gloo" if case == "gloo_plans_order" else None, timeout=20)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 
 
@@ -425,22 +426,26 @@ def collective_order():
         check(bool((got == 1).all()), "an MPI isend's buffer overwritten by a later broadcast", got[:4])
     else:
         mcrdl.broadcast(torch.zeros(n), 0, backend="gloo", async_op=True).wait()
-    # Async MPI calls from their plans (the compiled driver orders them in C): a call
-    # writing or reading what an outstanding one writes waits for it first (16 MiB:
-    # the first is still running when the second starts, unless the second waited).
+    plans_order("mpi")
+
+
+def plans_order(backend):
+    """Async calls from their plans (the compiled driver orders them in C): a call
+    writing or reading what an outstanding one writes waits for it first (16 MiB:
+    the first is still running when the second starts, unless the second waited)."""
     a, out = torch.empty(4 << 20), torch.empty(world * (4 << 20))
     for call in range(3):  # (the first call builds the plans)
         a.fill_(1.0)
-        first = mcrdl.all_reduce(a, backend="mpi", async_op=True)
-        second = mcrdl.all_reduce(a, backend="mpi", async_op=True)
-        check(first._done, f"call {call}: an all_reduce waits for the one writing its tensor")
-        gather = mcrdl.all_gather_into_tensor(out, a, backend="mpi", async_op=True)
-        check(second._done, f"call {call}: an all_gather waits for the all_reduce writing its input")
-        third = mcrdl.all_reduce(a, backend="mpi", async_op=True)
-        check(gather._done, f"call {call}: an all_reduce waits for the all_gather reading its tensor")
+        first = mcrdl.all_reduce(a, backend=backend, async_op=True)
+        second = mcrdl.all_reduce(a, backend=backend, async_op=True)
+        check(first._done, f"{backend} call {call}: an all_reduce waits for the one writing its tensor")
+        gather = mcrdl.all_gather_into_tensor(out, a, backend=backend, async_op=True)
+        check(second._done, f"{backend} call {call}: an all_gather waits for the all_reduce writing its input")
+        third = mcrdl.all_reduce(a, backend=backend, async_op=True)
+        check(gather._done, f"{backend} call {call}: an all_reduce waits for the all_gather reading its tensor")
         third.wait()
         check(bool((out == world * world).all()) and bool((a == world ** 3).all()),
-              f"call {call}: results in program order", (out[:2], a[:2]))
+              f"{backend} call {call}: results in program order", (out[:2], a[:2]))
 
 
 def start_error():
@@ -496,7 +501,7 @@ def wait_error():
  "polling": polling, "parameters": parameters, "barrier": barrier_orders,
  "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
  "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released, "plan_fit": plan_fit, "start_error": start_error,
- "wait_error": wait_error}[case]()
+ "wait_error": wait_error, "gloo_plans_order": lambda: plans_order("gloo")}[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
