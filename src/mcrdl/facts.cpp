@@ -474,6 +474,14 @@ inline void put(PyObject *o, Py_ssize_t offset, PyObject *value)
     Py_XSETREF(slot(o, offset), value);
 }
 
+// Take ``lock`` (the engine's RLock; waiting without the GIL); false with an error if that failed.
+bool acquire(PyObject *lock)
+{
+    PyObject *held = PyObject_VectorcallMethod(W.s_acquire, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+    Py_XDECREF(held);
+    return held != nullptr;
+}
+
 // Release ``lock`` keeping the error being raised, if any; false if the release failed.
 bool release(PyObject *lock)
 {
@@ -599,11 +607,7 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
     for (auto &entry : slots)
         put(o, entry.at, entry.value);
     THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
-    if (!lock)
-        return nullptr;
-    PyObject *lock_arg = lock.get();
-    THPObjectPtr held(PyObject_VectorcallMethod(W.s_acquire, &lock_arg, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
-    if (!held)
+    if (!lock || !acquire(lock.get()))
         return nullptr;
     bool ok = true;
     if (domain.get() != Py_None) { // (the set is replaced, never mutated: readers take it without the lock)
@@ -926,12 +930,10 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
     THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
     if (!lock)
         return nullptr;
-    PyObject *lock_arg = lock.get();
     Py_INCREF(pending);
     THPObjectPtr own(pending); // (another thread may finish the work and drop it between turns)
     for (long turn = 0; turn < turns; turn++) {
-        THPObjectPtr held(PyObject_VectorcallMethod(W.s_acquire, &lock_arg, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
-        if (!held)
+        if (!acquire(lock.get()))
             return nullptr;
         if (slot(work, W.done) != Py_False || slot(work, W.pending) != pending || slot(work, W.future) != Py_None) {
             bool clean = slot(work, W.done) == Py_True && slot(work, W.error) == Py_None
