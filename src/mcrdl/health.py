@@ -82,12 +82,13 @@ class Health:
             return silent
 
     def describe(self, ranks: Sequence[int], group_name: str, debug: bool, settle: bool,
-                 heard: Callable[[], bool] = lambda: False) -> str:
+                 heard: Callable[[], bool] = lambda: False, point_to_point: bool = False) -> str:
         """One sentence on the other ``ranks`` (global ranks) of a failed op:
         which are silent (dead or frozen), which did not arrive (debug), or
         that all are alive. ``settle``: the failure came from the library right
         away (not a timeout), so wait until a peer that just died shows silent
-        or ``heard()``."""
+        or ``heard()``. ``point_to_point``: the op was a send or receive (no
+        collective order to blame)."""
         peers = [r for r in ranks if r != self.rank]
         if not peers:
             return ""
@@ -112,5 +113,9 @@ class Health:
         if notes:
             return "; ".join(notes)
         alive = ", ".join(map(str, peers))
+        if point_to_point:
+            return (f"ranks {alive} are alive, so the library failed the message itself (its error is the cause)"
+                    if settle else f"ranks {alive} are alive, so the peer has not posted the matching "
+                                   "send or receive, or is stuck")
         return (f"ranks {alive} are alive, so a peer is stuck or issued collectives in a different order"
                 + ("" if debug else " (MCRDL_DEBUG=1 names the rank that did not arrive)"))

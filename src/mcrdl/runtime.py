@@ -512,9 +512,10 @@ class Runtime:
                 and (work.op not in POINT_TO_POINT or not timed_out)):
             self._abort_at_exit = True
             atexit.register(_abort_mpi_job, self.mpi_comm)  # runs before mpi4py's MPI_Finalize
-        return "; ".join(filter(None, (self._peers_verdict(work.group, timed_out), dumped)))
+        return "; ".join(filter(None, (self._peers_verdict(work.group, timed_out, work.op in POINT_TO_POINT),
+                                       dumped)))
 
-    def _peers_verdict(self, group, timed_out: bool) -> str:
+    def _peers_verdict(self, group, timed_out: bool, point_to_point: bool) -> str:
         """What the watchdog, else the heartbeats, say of ``group``'s members."""
         dead = self.engine.deaths(group)
         if dead:  # the watchdog already knows: no need to look at heartbeats
@@ -524,7 +525,8 @@ class Runtime:
         # the library may see a broken connection before the watchdog hears of the
         # death: its word, once it comes, ends the heartbeats' settle window
         verdict = self.health.describe(group.ranks, group.name, self.debug, settle=not timed_out,
-                                       heard=lambda: bool(self.engine.deaths(group)))
+                                       heard=lambda: bool(self.engine.deaths(group)),
+                                       point_to_point=point_to_point)
         return "; ".join(self.engine.deaths(group)) or verdict
 
     def shutdown(self) -> None:
