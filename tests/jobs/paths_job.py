@@ -131,8 +131,8 @@ def send_recv(kw, dtype, n, s):
     even ranks send first, odd ranks receive first; the job runs on an even number of ranks)."""
     nxt, prv, backend = (rank + 1) % world, (rank - 1) % world, kw["backend"]
     got, src = torch.empty(n, dtype=dtype), value(rank, n, dtype, s)
-    if kw["async_op"]:  # (odd calls receive from any source: only prv sends this tag here; not
-        any_source = s % 2 == 1 and n > 0  # 0 B: gloo's any-source receive refuses an empty buffer)
+    if kw["async_op"]:  # (odd calls receive from any source: only prv sends this tag here)
+        any_source = s % 2 == 1
         receive = mcrdl.irecv(got, None if any_source else prv, tag=s, backend=backend)
         for work in [receive, mcrdl.isend(src, nxt, tag=s, backend=backend)]:
             work.wait()

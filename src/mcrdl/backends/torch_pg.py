@@ -192,6 +192,9 @@ class TorchBackend(Backend):
 
     #: the library orders an op's results on the caller's stream by itself (NCCL)
     stream_ordered = False
+    #: a send or receive of no elements moves one element of its dtype instead, on
+    #: both sides (torch's gloo refuses an empty buffer in an any-source receive)
+    empty_message_carries_one = False
 
     def version(self) -> str:
         return f"torch {torch.__version__}"
@@ -219,9 +222,10 @@ class TorchBackend(Backend):
             return super().starter(op, pg, timeout, tensors, *fixed)
         peer, tag = fixed
         begin = pg.send if op == "send" else pg.recv
+        carrier = self._carrier
 
         def start(t):
-            work = begin([t], peer, tag)
+            work = begin([carrier(t)], peer, tag)
             began = time.monotonic()
             try:
                 work.wait()
@@ -286,15 +290,23 @@ class TorchBackend(Backend):
         return TorchPending(pg.barrier(dist.BarrierOptions()))
 
     def send(self, pg, tensor, peer, tag):
-        return self._pending(pg.send([tensor], peer, tag), True, tensor, self.timeouts.get(pg, math.inf))
+        return self._pending(pg.send([self._carrier(tensor)], peer, tag), True, tensor,
+                             self.timeouts.get(pg, math.inf))
 
     def recv(self, pg, tensor, peer, tag):
-        work = pg.recv_anysource([tensor], tag) if peer == ANY_SOURCE else pg.recv([tensor], peer, tag)
+        buffer = self._carrier(tensor)
+        work = pg.recv_anysource([buffer], tag) if peer == ANY_SOURCE else pg.recv([buffer], peer, tag)
         return self._pending(work, True, tensor, self.timeouts.get(pg, math.inf))
+
+    def _carrier(self, tensor):
+        """What a send or receive of ``tensor`` moves: ``tensor``, or one element of its
+        dtype for an empty one where the library refuses empty messages."""
+        return tensor.new_zeros(1) if self.empty_message_carries_one and not tensor.numel() else tensor
 
 
 class GlooBackend(TorchBackend):
     name = "gloo"
+    empty_message_carries_one = True
     devices = frozenset({"cpu", "cuda"})  # CUDA: collectives only, where the torch build has CUDA
 
     @classmethod
