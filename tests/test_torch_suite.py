@@ -2,6 +2,7 @@
 every test of the subset below that passes on gloo must pass on mcrdl
 (tests/torch_suite/run_suite.py runs them; compare.py reports the whole suite)."""
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,9 +56,12 @@ TORCH_GATED = dict.fromkeys(["test_monitored_barrier_gloo", "test_monitored_barr
 
 @pytest.mark.timeout(900)
 def test_tests_passing_on_gloo_pass_on_mcrdl(tmp_path):
-    gloo = run_suite("gloo", 2, tests=SUBSET, timeout=120)
-    mcrdl = run_suite("mcrdl", 2, route="stand-in", tests=SUBSET, timeout=120,
-                      log_dir=tmp_path / "logs")
+    # the two runs at once: their ranks mostly wait (torch's join loop, the timeout tests)
+    with ThreadPoolExecutor(2) as pool:
+        gloo = pool.submit(run_suite, "gloo", 2, tests=SUBSET, timeout=120)
+        mcrdl = pool.submit(run_suite, "mcrdl", 2, route="stand-in", tests=SUBSET, timeout=120,
+                            log_dir=tmp_path / "logs")
+        gloo, mcrdl = gloo.result(), mcrdl.result()
     assert set(gloo["tests"]) == set(mcrdl["tests"]) == set(SUBSET)
     passing = [t for t in SUBSET if gloo["tests"][t]["status"] == "passed"]
     # a subset gloo mostly fails would make the comparison vacuous: the runner broke
