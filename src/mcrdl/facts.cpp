@@ -499,6 +499,14 @@ bool release(PyObject *lock)
     return true;
 }
 
+// An address kept as a Python int (ranges()'s): PyLong_AsSize_t reads its
+// digits in a loop, where PyLong_AsUnsignedLongLong goes through a byte array
+// for every value over 2**30, as every address is.
+size_t address(PyObject *o)
+{
+    return PyLong_AsSize_t(o);
+}
+
 // Do two lists of ranges (ranges()'s third item) conflict: a byte of one
 // device in both, one of the two writing it (work.py's _conflict)? -1 on an error.
 int conflict(PyObject *mine, PyObject *theirs)
@@ -507,10 +515,8 @@ int conflict(PyObject *mine, PyObject *theirs)
         PyObject *a = PyList_GET_ITEM(mine, i);
         for (Py_ssize_t j = 0; j < PyList_GET_SIZE(theirs); j++) {
             PyObject *b = PyList_GET_ITEM(theirs, j);
-            unsigned long long s1 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(a, 1)),
-                               e1 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(a, 2)),
-                               s2 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(b, 1)),
-                               e2 = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(b, 2));
+            size_t s1 = address(PyTuple_GET_ITEM(a, 1)), e1 = address(PyTuple_GET_ITEM(a, 2)),
+                   s2 = address(PyTuple_GET_ITEM(b, 1)), e2 = address(PyTuple_GET_ITEM(b, 2));
             if (PyErr_Occurred())
                 return -1;
             if (!(s1 < e2 && s2 < e1) || (PyTuple_GET_ITEM(a, 3) != Py_True && PyTuple_GET_ITEM(b, 3) != Py_True))
@@ -525,10 +531,10 @@ int conflict(PyObject *mine, PyObject *theirs)
 
 // clear_of(engine, reads, writes): Engine.order_before's common case compiled:
 // the new op's ranges when no outstanding work's tensors conflict with its
-// own (each work's ranges computed once and kept in it, as order_before
-// does). None: order_before decides (a conflict, which it waits for and
-// names if it failed; a tensor only facts.ranges reads; a work not Work; no
-// Work adopted, as in a process without MPI).
+// own (the ranges each work keeps: track's, order_before's). None:
+// order_before decides (a conflict, which it waits for and names if it
+// failed; a tensor only facts.ranges reads; a work not Work, or without its
+// ranges yet; no Work adopted, as in a process without MPI).
 PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
 {
     if (W.type == nullptr) // (Work not adopted: no MPI in this process)
@@ -537,34 +543,26 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
     THPObjectPtr mine(ranges(nullptr, mine_args, 2));
     if (!mine || mine.get() == Py_None)
         return mine.release();
-    THPObjectPtr outstanding(PyObject_GetAttr(engine, s_outstanding));
-    THPObjectPtr works(outstanding ? PySequence_Tuple(outstanding.get()) : nullptr); // (a snapshot, as order_before's)
+    // (the list itself, not a copy: nothing below allocates, so no finalizer
+    // runs Python code that lets another thread change the list meanwhile)
+    THPObjectPtr works(PyObject_GetAttr(engine, s_outstanding));
     if (!works)
         return nullptr;
-    unsigned long long low = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mine.get(), 0)),
-                       high = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(mine.get(), 1));
+    if (!PyList_CheckExact(works.get()))
+        Py_RETURN_NONE;
+    size_t low = address(PyTuple_GET_ITEM(mine.get(), 0)), high = address(PyTuple_GET_ITEM(mine.get(), 1));
     if (PyErr_Occurred())
         return nullptr;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(works.get()); i++) {
-        PyObject *work = PyTuple_GET_ITEM(works.get(), i);
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(works.get()); i++) {
+        PyObject *work = PyList_GET_ITEM(works.get(), i);
         if (!PyObject_TypeCheck(work, W.type))
             Py_RETURN_NONE;
         if (slot(work, W.done) == Py_True)
             continue;
         PyObject *spans = slot(work, W.spans);
-        if (spans == nullptr || spans == Py_None) {
-            PyObject *reads_of = slot(work, W.reads), *writes_of = slot(work, W.writes);
-            if (reads_of == nullptr || writes_of == nullptr)
-                Py_RETURN_NONE;
-            PyObject *their_args[2] = {reads_of, writes_of};
-            THPObjectPtr theirs(ranges(nullptr, their_args, 2));
-            if (!theirs || theirs.get() == Py_None)
-                return theirs.release();
-            put(work, W.spans, theirs.get());
-            spans = slot(work, W.spans);
-        }
-        unsigned long long start = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 0)),
-                           end = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(spans, 1));
+        if (spans == nullptr || spans == Py_None) // (order_before computes and keeps them)
+            Py_RETURN_NONE;
+        size_t start = address(PyTuple_GET_ITEM(spans, 0)), end = address(PyTuple_GET_ITEM(spans, 1));
         if (PyErr_Occurred())
             return nullptr;
         if (!(low < end && start < high))
