@@ -531,10 +531,10 @@ int conflict(PyObject *mine, PyObject *theirs)
 
 // clear_of(engine, reads, writes): Engine.order_before's common case compiled:
 // the new op's ranges when no outstanding work's tensors conflict with its
-// own (the ranges each work keeps: track's, order_before's). None:
-// order_before decides (a conflict, which it waits for and names if it
-// failed; a tensor only facts.ranges reads; a work not Work, or without its
-// ranges yet; no Work adopted, as in a process without MPI).
+// own (each work's ranges computed once and kept in it, as order_before
+// does). None: order_before decides (a conflict, which it waits for and
+// names if it failed; a tensor only facts.ranges reads; a work not Work; no
+// Work adopted, as in a process without MPI).
 PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
 {
     if (W.type == nullptr) // (Work not adopted: no MPI in this process)
@@ -543,8 +543,9 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
     THPObjectPtr mine(ranges(nullptr, mine_args, 2));
     if (!mine || mine.get() == Py_None)
         return mine.release();
-    // (the list itself, not a copy: nothing below allocates, so no finalizer
-    // runs Python code that lets another thread change the list meanwhile)
+    // (the list itself, not a copy: only keeping a work's ranges allocates, so
+    // only then can a finalizer run Python code that lets another thread
+    // change the list; the walk then starts again)
     THPObjectPtr works(PyObject_GetAttr(engine, s_outstanding));
     if (!works)
         return nullptr;
@@ -560,8 +561,21 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
         if (slot(work, W.done) == Py_True)
             continue;
         PyObject *spans = slot(work, W.spans);
-        if (spans == nullptr || spans == Py_None) // (order_before computes and keeps them)
-            Py_RETURN_NONE;
+        if (spans == nullptr || spans == Py_None) { // (a work started with nothing outstanding)
+            THPObjectPtr held(Py_NewRef(work));
+            PyObject *reads_of = slot(work, W.reads), *writes_of = slot(work, W.writes);
+            if (reads_of == nullptr || writes_of == nullptr)
+                Py_RETURN_NONE;
+            PyObject *their_args[2] = {reads_of, writes_of};
+            THPObjectPtr theirs(ranges(nullptr, their_args, 2));
+            if (!theirs || theirs.get() == Py_None)
+                return theirs.release();
+            put(held.get(), W.spans, theirs.get());
+            if (slot(held.get(), W.spans) != theirs.get())
+                Py_RETURN_NONE;
+            i = -1; // (that allocated: a finalizer may have changed the list, so walk it again)
+            continue;
+        }
         size_t start = address(PyTuple_GET_ITEM(spans, 0)), end = address(PyTuple_GET_ITEM(spans, 1));
         if (PyErr_Occurred())
             return nullptr;
