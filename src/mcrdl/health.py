@@ -114,8 +114,8 @@ class Health:
             return "; ".join(notes)
         alive = ", ".join(map(str, peers))
         if point_to_point:
-            return (f"ranks {alive} are alive, so the library failed the message itself (its error is the cause)"
-                    if settle else f"ranks {alive} are alive, so the peer has not posted the matching "
-                                   "send or receive, or is stuck")
+            return f"ranks {alive} are alive, so a peer is stuck or " + (
+                "the library refused the message (its error says which)" if settle
+                else "has not posted the matching send or receive")
         return (f"ranks {alive} are alive, so a peer is stuck or issued collectives in a different order"
                 + ("" if debug else " (MCRDL_DEBUG=1 names the rank that did not arrive)"))
