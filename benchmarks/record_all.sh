@@ -15,6 +15,8 @@ run() { echo "+ $*" | tee -a "$OUT/commands.txt"; "$@"; }
 # percall: what one call costs against the raw libraries
 run $BIN/mcrdl run -n 2 benchmarks/percall/allreduce_latency.py --json $OUT/allreduce_latency.json | tee $OUT/allreduce_latency.txt
 run $BIN/mcrdl run -n 2 benchmarks/percall/hotpath.py --json $OUT/hotpath.json | tee $OUT/hotpath.txt
+run $BIN/mcrdl run -n 2 benchmarks/percall/async_inflight.py --sizes 4,1K,16K,256K \
+    --json $OUT/async_inflight.json | tee $OUT/async_inflight.txt
 run $BIN/mcrdl run -n 2 benchmarks/percall/drivers.py --json $OUT/drivers.json | tee $OUT/drivers.txt
 run $BIN/mcrdl run -n 2 benchmarks/percall/blocking_floor.py --sizes 4,1K,16K,256K --rounds 5 \
     --json $OUT/blocking_floor.json | tee $OUT/blocking_floor.txt
