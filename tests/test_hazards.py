@@ -1,6 +1,8 @@
 """Design hazards through the public API (each test fails without its fix)."""
 import re
 
+import pytest
+
 from conftest import run_job
 
 
@@ -26,7 +28,8 @@ def test_debug_mode_catches_mismatched_collectives():
     out.require(["debug finished"], range(2))
 
 
-def test_waits_have_deadlines():
-    out = run_job(2, "hazards_job.py", "timeout", timeout=120)
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_waits_have_deadlines(launcher):
+    out = run_job(2, "hazards_job.py", "timeout", timeout=120, launcher=launcher)
     assert "mpi timeout after" in out and "gloo timeout after" in out
     assert "mpi blocking recv deadline after" in out and "gloo blocking recv deadline after" in out, out[-3000:]
