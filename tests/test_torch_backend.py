@@ -32,6 +32,7 @@ def test_import_torch_registers_mcrdl_without_importing_it_and_register_is_idemp
         "assert d.Backend.MCRDL == 'mcrdl' and 'mcrdl' in d.Backend.backend_list\n"
         "assert d.Backend.backend_capability['mcrdl'] == ['cpu', 'cuda']\n"
         "import mcrdl, mcrdl.integrations.torch_backend as tb\n"
+        "assert 'torch._dynamo' not in sys.modules  # its import costs each rank about 1 s\n"
         "assert tb.is_registered() and tb.register() == 'mcrdl' and tb.register() == 'mcrdl'\n"
         "try:\n    tb.register('gloo')\nexcept RuntimeError as e:\n    print('refused:', e)\n"
         "assert not mcrdl.is_initialized()\n")

@@ -584,11 +584,12 @@ def _run_outside_dynamo(*classes) -> None:
     trace them and fail on the opaque ProcessGroup. Marked, they and every
     frame they call run as plain Python, at no cost per call (the mark torch's
     own ``skip_code`` sets, recursive); a torch without it gets
-    ``torch.compiler.disable`` (a wrapper on every call)."""
+    ``torch.compiler.disable`` (a wrapper on every call). The mark comes from
+    torch's C module, as ``torch._dynamo.types`` takes it: importing dynamo
+    itself would cost every rank about a second at start."""
     try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-        skip = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+        skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
     except ImportError:
         set_code_exec_strategy = skip = None
     for cls in classes:
