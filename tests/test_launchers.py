@@ -75,6 +75,24 @@ def test_torchrun_restarts_get_a_fresh_mpi_world():
     assert out.count("OK restart attempt 2, MPI world 2") == 2, out[-4000:]
 
 
+def test_torchrun_restart_never_reads_the_last_attempts_keys():
+    """The drop-in start keeps torch's store, which torchrun's agent keeps across
+    restarts: a rank that makes its groups late in attempt 1 must not have its peer
+    read attempt 0's keys (a dead rank's gloo address: "Connection refused"; its
+    group check-in: a hang), for torch's groups and mcrdl's alike."""
+    rc, out = torchrun(2, "launch_job.py", "stale", extra=["--max-restarts=1"], timeout=120)
+    assert rc == 0 and out.count("OK stale keys attempt 1") == 2, out[-4000:]
+
+
+def test_a_rank_whose_start_fails_ends_at_once():
+    """Rank 1's gloo fails to start after MPI is up, with rank 0 waiting for it: rank 1
+    prints its error and ends, so torchrun ends the job well before the 60 s timeout
+    (it used to wait in MPI_Finalize for rank 0, which waited for it)."""
+    rc, out = torchrun(2, "launch_job.py", "bad-gloo", timeout=45)
+    assert rc != 0 and "Unable to find address for: nope0" in out, out[-4000:]
+    assert "rank 1 failed to start" in out, out[-4000:]
+
+
 def test_elastic_restart_resumes_from_the_checkpoint_to_the_same_losses(tmp_path):
     """DDP with a torch.distributed.checkpoint per step: rank 1 SIGKILLed mid-step 3,
     torchrun's agent restarts the job, every rank resumes after step 2 on a fresh

@@ -152,5 +152,13 @@ def make_store(rank: int, world_size: int, local_size: int, timeout: float, mpi_
         store = serve_store(listen(host, port), world_size, td)
     else:
         store = dist.TCPStore(host, port, world_size, False, timeout=td)
-    # torchrun's agent keeps its store across restarts: each attempt has its own keys
-    return dist.PrefixStore(f"mcrdl/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store), store_host
+    return this_attempts(store), store_host
+
+
+def this_attempts(store):
+    """``store`` under a prefix of this torchrun attempt: torchrun's agent keeps its
+    store across restarts, and a key an earlier attempt left (a dead rank's gloo
+    address, its group check-in) would otherwise be read as this attempt's."""
+    import torch.distributed as dist
+
+    return dist.PrefixStore(f"mcrdl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)

@@ -194,20 +194,30 @@ class Runtime:
             self._launch("mpi" in requested)
         else:
             self._join(store, rank, world_size, "mpi" in requested)
+        self.health = self.watchdog = None
+        self.backends: dict[str, Backend] = {}
+        try:
+            self._start(requested, backends is not None, default, table, tuning, beat, wait,
+                        op_backends, debug, comms_log)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _start(self, requested: list, named: bool, default: Optional[str], table, tuning, beat: float,
+               wait: str, op_backends, debug: Optional[bool], comms_log: Optional[bool]) -> None:
+        """After the rendezvous: the backends, the world group and what watches them."""
+        timeout = self.timeout
         #: "spin" or "yield": how waits use the CPU (MCRDL_WAIT, work.set_wait_policy)
         self.wait_policy = set_wait_policy(wait, self.local_size, self.local_cpus)
         self.unavailable: dict[str, str] = {}
-        self.backends: dict[str, Backend] = {}
         if self.store is None and (any(n in requested for n in ("gloo", "nccl"))
                                    or (beat > 0 and self.world_size > 1)):
             self.ensure_store()
-        self.health = None
         if self.store is not None and beat > 0 and self.world_size > 1:
             self.health = Health(self.store, self.rank, beat, self.store_host)
         self._abort_at_exit = False
         #: why this rank is ending on an uncaught exception (api's excepthook), else None
         self.dying: Optional[str] = None
-        self.watchdog = None
         # the watchdog's key travels over MPI when it is live, never through the store,
         # which anyone who reaches it can read (torch's TCPStore has no authentication);
         # sent whether or not this rank's watchdog is on, so no rank waits in the bcast
@@ -233,7 +243,7 @@ class Runtime:
                     break
             else:
                 self.unavailable[name] = reason
-                if backends is not None:
+                if named:
                     warnings.warn(f"mcrdl: backend {name!r} requested but not started: {reason}")
         if self.mpi_comm is not None and self.world_size > 1:
             self._keep_backends_live_everywhere(failed)
@@ -278,6 +288,19 @@ class Runtime:
         #: when nothing observes; ``traced`` while a torch profiler records
         self.observer = observers(self.logger, self.recorder)
         self.traced = observers(self.logger, self.recorder, PROFILER)
+
+    def _abandon(self) -> None:
+        """A start that failed after the rendezvous: peers may still be starting and
+        waiting for this rank, so MPI_Finalize at exit could wait for them forever;
+        the MPI job is aborted at exit instead (after the error is printed)."""
+        if self.watchdog is not None:
+            self.watchdog.stop(leaving=False)
+        if self.health is not None:
+            self.health.stop()
+        for backend in self.backends.values():
+            backend.shutdown()
+        if self.mpi_comm is not None and self.world_size > 1:
+            atexit.register(_abort_mpi_job, self.mpi_comm, f"rank {self.rank} failed to start")
 
     def _keep_backends_live_everywhere(self, failed: Optional[BaseException]) -> None:
         """Drop the backends that did not start on every rank (say a GPU on some
@@ -358,10 +381,9 @@ class Runtime:
         if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
             raise ValueError(f"init_process_group: with store=, rank and world_size must be given "
                              f"(0 <= rank < world_size), got rank={rank!r}, world_size={world_size!r}")
-        import torch.distributed as dist
 
         self.rank, self.world_size = rank, world_size
-        self.store = dist.PrefixStore("mcrdl/", store)
+        self.store = rendezvous.this_attempts(store)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if not want_mpi:
@@ -416,6 +438,8 @@ class Runtime:
                 import torch.distributed as dist
 
                 store = dist.PrefixStore(f"groups/{name}/", self.store)
+            elif store is not None:  # torch's, for a group it makes: kept across torchrun's restarts
+                store = rendezvous.this_attempts(store)
             if store is not None:
                 _check_in(store, group)
             for bname, backend in self.backends.items():

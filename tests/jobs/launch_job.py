@@ -7,12 +7,25 @@ restart    every rank starts MPI over torchrun's store and all-reduces on it. Ra
            last attempt left in torchrun's store.
 singleton  rank 1 starts MPI itself first (mpi4py's import, as a singleton): MPI
            cannot be brought up over the store, so every rank runs on gloo, and
-           rank 0 says why at init."""
+           rank 0 says why at init.
+stale      the drop-in start (torch.distributed.init_process_group("mcrdl") on
+           torch's store, which torchrun's agent keeps across restarts) with no
+           MPI to line the ranks up: rank 1 dies in attempt 0 once groups exist;
+           in attempt 1 it makes each group 3 s late, so rank 0 reads whatever
+           attempt 0 left under the groups' keys first (torchrun --max-restarts 1).
+bad-gloo   rank 1's gloo cannot start (GLOO_SOCKET_IFNAME names no interface) after
+           MPI is up, while rank 0 waits for it: rank 1 must fail at once, not wait
+           in MPI_Finalize for rank 0 (which waits for rank 1 until the timeout)."""
 import os
 import sys
+from datetime import timedelta
 
 if sys.argv[1] == "singleton" and os.environ["RANK"] == "1":
     from mpi4py import MPI  # noqa: F401  (mpi4py.rc.initialize is on: MPI starts here)
+if sys.argv[1] == "bad-gloo" and os.environ["RANK"] == "1":
+    os.environ["GLOO_SOCKET_IFNAME"] = "nope0"
+if sys.argv[1] == "stale":
+    sys.modules["mpi4py"] = None  # MPI's group calls would line the ranks up
 
 import torch  # noqa: E402
 
@@ -20,10 +33,45 @@ import mcrdl  # noqa: E402
 from common import check  # noqa: E402
 
 mode = sys.argv[1]
+
+
+def stale_keys_job(attempt: int) -> None:
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    import mcrdl.integrations.torch_backend  # noqa: F401  (registers "mcrdl")
+
+    rank = int(os.environ["RANK"])
+    late = attempt == 1 and rank == 1
+    if late:
+        time.sleep(3)
+    dist.init_process_group("mcrdl", timeout=timedelta(seconds=60))
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t)
+    check(bool(torch.all(t == 3.0)), "all_reduce on the world", t.tolist())
+    for make in (lambda: dist.new_group([0, 1], backend="mcrdl"), lambda: mcrdl.new_group([0, 1])):
+        if late:
+            time.sleep(3)
+        group = make()
+        t = torch.full((8,), float(rank + 1))
+        dist.all_reduce(t, group=group) if isinstance(group, dist.ProcessGroup) else mcrdl.all_reduce(t, group=group)
+        check(bool(torch.all(t == 3.0)), "all_reduce on a new group", t.tolist())
+    if attempt == 0:
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # torchrun ends this rank when it restarts the job
+    print(f"rank {rank}: OK stale keys attempt {attempt}", flush=True)
+    dist.destroy_process_group()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if mode == "restart" and attempt == 0 and os.environ["RANK"] == "1":
     print("rank 1: attempt 0 fails on purpose before init", flush=True)
     sys.exit(3)
+if mode == "stale":
+    stale_keys_job(attempt)
+    sys.exit(0)
 mcrdl.init_process_group(timeout=60)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
 live = mcrdl.live_backends()
