@@ -196,6 +196,7 @@ class Runtime:
             self._join(store, rank, world_size, "mpi" in requested)
         self.health = self.watchdog = None
         self.backends: dict[str, Backend] = {}
+        self._failing_alike = False  # a failed start that every rank raises together
         try:
             self._start(requested, backends is not None, default, table, tuning, beat, wait,
                         op_backends, debug, comms_log)
@@ -290,16 +291,17 @@ class Runtime:
         self.traced = observers(self.logger, self.recorder, PROFILER)
 
     def _abandon(self) -> None:
-        """A start that failed after the rendezvous: peers may still be starting and
-        waiting for this rank, so MPI_Finalize at exit could wait for them forever;
-        the MPI job is aborted at exit instead (after the error is printed)."""
+        """A start that failed after the rendezvous: unless every rank fails alike,
+        peers may still be starting and waiting for this rank, so MPI_Finalize at
+        exit could wait for them forever; the MPI job is aborted at exit instead
+        (after the error is printed)."""
         if self.watchdog is not None:
             self.watchdog.stop(leaving=False)
         if self.health is not None:
             self.health.stop()
         for backend in self.backends.values():
             backend.shutdown()
-        if self.mpi_comm is not None and self.world_size > 1:
+        if self.mpi_comm is not None and self.world_size > 1 and not self._failing_alike:
             atexit.register(_abort_mpi_job, self.mpi_comm, f"rank {self.rank} failed to start")
 
     def _keep_backends_live_everywhere(self, failed: Optional[BaseException]) -> None:
@@ -310,6 +312,7 @@ class Runtime:
         report = None if failed is None else f"{type(failed).__name__}: {failed}"
         gathered = self.mpi_comm.allgather((sorted(self.backends), report))
         errors = [(r, e) for r, (_, e) in enumerate(gathered) if e is not None]
+        self._failing_alike = bool(errors)  # every rank raises below: none waits for another
         if errors and failed is None:
             raise RuntimeError("mcrdl: a backend failed to start on " + "; ".join(
                 f"rank {r}: {e}" for r, e in errors))
