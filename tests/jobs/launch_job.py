@@ -11,7 +11,7 @@ singleton  rank 1 starts MPI itself first (mpi4py's import, as a singleton): MPI
 stale      the drop-in start (torch.distributed.init_process_group("mcrdl") on
            torch's store, which torchrun's agent keeps across restarts) with no
            MPI to line the ranks up: rank 1 dies in attempt 0 once groups exist;
-           in attempt 1 it makes each group 3 s late, so rank 0 reads whatever
+           in attempt 1 it makes each group 1.5 s late, so rank 0 reads whatever
            attempt 0 left under the groups' keys first (torchrun --max-restarts 1).
 bad-gloo   rank 1's gloo cannot start (GLOO_SOCKET_IFNAME names no interface) after
            MPI is up, while rank 0 waits for it: rank 1 must fail at once, not wait
@@ -45,15 +45,13 @@ def stale_keys_job(attempt: int) -> None:
 
     rank = int(os.environ["RANK"])
     late = attempt == 1 and rank == 1
-    if late:
-        time.sleep(3)
     dist.init_process_group("mcrdl", timeout=timedelta(seconds=60))
     t = torch.full((8,), float(rank + 1))
     dist.all_reduce(t)
     check(bool(torch.all(t == 3.0)), "all_reduce on the world", t.tolist())
     for make in (lambda: dist.new_group([0, 1], backend="mcrdl"), lambda: mcrdl.new_group([0, 1])):
         if late:
-            time.sleep(3)
+            time.sleep(1.5)
         group = make()
         t = torch.full((8,), float(rank + 1))
         dist.all_reduce(t, group=group) if isinstance(group, dist.ProcessGroup) else mcrdl.all_reduce(t, group=group)
