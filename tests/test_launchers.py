@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, run_or_dump
+from conftest import JOBS, run_job_rc, run_or_dump
 from mcrdl import pmi
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -84,12 +84,14 @@ def test_torchrun_restart_never_reads_the_last_attempts_keys():
     assert rc == 0 and out.count("OK stale keys attempt 1") == 2, out[-4000:]
 
 
-def test_a_rank_whose_start_fails_ends_at_once():
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_rank_whose_start_fails_ends_at_once(launcher):
     """Rank 1's gloo fails to start after MPI is up, with rank 0 waiting for it: rank 1
-    prints its error and ends, so torchrun ends the job well before the 60 s timeout
-    (it used to wait in MPI_Finalize for rank 0, which waited for it)."""
-    rc, out = torchrun(2, "launch_job.py", "bad-gloo", timeout=45)
-    assert rc != 0 and "Unable to find address for: nope0" in out, out[-4000:]
+    prints its error and aborts the MPI job at exit, which ends the job long before
+    the 60 s timeout (mcrdl run's 20 s would end it with 124). It used to wait in
+    MPI_Finalize for rank 0, which waited for it: 61 s under mcrdl run."""
+    out, rc = run_job_rc(2, "launch_job.py", "bad-gloo", timeout=20, launcher=launcher)
+    assert rc not in (0, 124) and "Unable to find address for: nope0" in out, (rc, out[-4000:])
     assert "rank 1 failed to start" in out, out[-4000:]
 
 
