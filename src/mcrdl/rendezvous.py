@@ -152,10 +152,10 @@ def make_store(rank: int, world_size: int, local_size: int, timeout: float, mpi_
         store = serve_store(listen(host, port), world_size, td)
     else:
         store = dist.TCPStore(host, port, world_size, False, timeout=td)
-    return this_attempts(store), store_host
+    return per_attempt(store), store_host
 
 
-def this_attempts(store):
+def per_attempt(store):
     """``store`` under a prefix of this torchrun attempt: torchrun's agent keeps its
     store across restarts, and a key an earlier attempt left (a dead rank's gloo
     address, its group check-in) would otherwise be read as this attempt's."""

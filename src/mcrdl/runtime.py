@@ -386,7 +386,7 @@ class Runtime:
                              f"(0 <= rank < world_size), got rank={rank!r}, world_size={world_size!r}")
 
         self.rank, self.world_size = rank, world_size
-        self.store = rendezvous.this_attempts(store)
+        self.store = rendezvous.per_attempt(store)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if not want_mpi:
@@ -442,7 +442,7 @@ class Runtime:
 
                 store = dist.PrefixStore(f"groups/{name}/", self.store)
             elif store is not None:  # torch's, for a group it makes: kept across torchrun's restarts
-                store = rendezvous.this_attempts(store)
+                store = rendezvous.per_attempt(store)
             if store is not None:
                 _check_in(store, group)
             for bname, backend in self.backends.items():
