@@ -84,6 +84,31 @@ def test_torchrun_restart_never_reads_the_last_attempts_keys():
     assert rc == 0 and out.count("OK stale keys attempt 1") == 2, out[-4000:]
 
 
+def test_two_torchrun_agents_restart_with_different_counts(tmp_path):
+    """torchrun --nnodes 2 (two agents on this host): a rank dies, its agent restarts
+    counting, the other agent's healthy rank restarts without counting (torch issue
+    135712), so the second start's ranks carry different TORCHELASTIC_RESTART_COUNTs
+    over the store the agents keep. They must still meet on fresh keys (a prefix by
+    the restart count split them: a hang)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+           "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "--rdzv-id=two-agents", "--monitor-interval=0.2", str(JOBS / "launch_job.py"), "two-agents",
+           str(tmp_path)]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                               cwd=JOBS, start_new_session=True) for _ in range(2)]
+    try:
+        outs = [agent.communicate(timeout=150)[0] for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, 9)
+    out = "\n".join(outs)
+    assert all(agent.returncode == 0 for agent in agents), out[-6000:]
+    counts = sorted(re.findall(r"OK two agents, restart count (\d)", out))
+    assert counts == ["0", "1"], out[-6000:]
+
+
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
 def test_a_rank_whose_start_fails_ends_at_once(launcher):
     """Rank 1's gloo fails to start after MPI is up, with rank 0 waiting for it: rank 1

@@ -210,12 +210,12 @@ def bring_up(store, rank: int, size: int, timeout: float):
     ``(None, why)``, alike on every rank: each rank publishes on the store whether it
     can before any starts MPI, so none is left waiting in MPI_Init. A process whose MPI
     this service started before reuses it when every rank's comes from that same start
-    (MPI cannot start twice in a process). Each call works under its own store prefix
-    (a store outlives torchrun's restarts and re-initialisations)."""
+    (MPI cannot start twice in a process). ``store`` must be this start's own
+    (:func:`mcrdl.rendezvous.fresh_keys`): a store outlives torchrun's restarts and
+    re-initialisations."""
     from torch.distributed import PrefixStore
 
-    start = (store.add("pmi/starts", 1) - 1) // size  # every rank counts once per start
-    store = PrefixStore(f"pmi/{start}/", store)
+    store = PrefixStore("pmi/", store)
     MPI, why = None, None
     try:
         from .backends.mpi import import_mpi

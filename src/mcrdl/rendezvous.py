@@ -8,11 +8,14 @@ the chosen address is bound, never every interface.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+import time
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 from . import settings
+from .types import CommTimeoutError
 
 
 def iface_address(name: str) -> Optional[str]:
@@ -152,13 +155,50 @@ def make_store(rank: int, world_size: int, local_size: int, timeout: float, mpi_
         store = serve_store(listen(host, port), world_size, td)
     else:
         store = dist.TCPStore(host, port, world_size, False, timeout=td)
-    return per_attempt(store), store_host
+    return fresh_keys(store, rank, world_size, timeout), store_host
 
 
-def per_attempt(store):
-    """``store`` under a prefix of this torchrun attempt: torchrun's agent keeps its
-    store across restarts, and a key an earlier attempt left (a dead rank's gloo
-    address, its group check-in) would otherwise be read as this attempt's."""
+def fresh_keys(store, rank: int, size: int, timeout: float, late: Optional[Callable[[list], str]] = None):
+    """``store`` under a prefix that this start's ``size`` ranks share and no earlier
+    start on the same store used. A store can outlive a start (torchrun's agent keeps
+    its store across restarts), where a key a dead rank left (its gloo address, its
+    group check-in) would be read as this start's; and torchrun's restart count is
+    each node's own (a node whose ranks were healthy restarts without counting), so it
+    cannot tell starts apart. Rank 0 opens a new generation (a counter in the store);
+    every other rank offers a random token under the generation it reads until rank 0
+    echoes it back, which only a live rank 0 of this start does. Past ``timeout`` a
+    :class:`CommTimeoutError` says ``late(ranks missing)``."""
     import torch.distributed as dist
 
-    return dist.PrefixStore(f"mcrdl/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    if late is None:
+        def late(missing):
+            return f"mcrdl: ranks {missing} did not join the rendezvous within {timeout:g} s"
+
+    deadline = time.monotonic() + timeout
+    if rank == 0:
+        generation = store.add("mcrdl/generation", 1)
+        for peer in range(1, size):
+            hello = f"mcrdl/{generation}/hello/{peer}"
+            try:
+                store.wait([hello], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:  # the store's timeout (DistStoreError)
+                missing = [r for r in range(peer, size) if not store.check([f"mcrdl/{generation}/hello/{r}"])]
+                raise CommTimeoutError(late(missing)) from None
+            store.set(f"mcrdl/{generation}/welcome/{peer}", store.get(hello))
+        return dist.PrefixStore(f"mcrdl/{generation}/", store)
+    token, offered = secrets.token_hex(8), 0
+    while time.monotonic() < deadline:
+        generation = store.add("mcrdl/generation", 0)
+        if generation != offered:  # new to this rank: offer the token there
+            offered = generation
+            store.set(f"mcrdl/{generation}/hello/{rank}", token)
+        if offered:
+            welcome = f"mcrdl/{offered}/welcome/{rank}"
+            try:
+                store.wait([welcome], timedelta(seconds=0.02))
+            except RuntimeError:  # not answered yet: a later generation may be open by now
+                continue
+            if store.get(welcome).decode() == token:
+                return dist.PrefixStore(f"mcrdl/{offered}/", store)
+        time.sleep(0.002)  # no generation yet, or an earlier start's answer
+    raise CommTimeoutError(late([0]))

@@ -124,6 +124,12 @@ def _check_launch_size(world_size: int, MPI) -> None:
                 "PATH), or make mpi4py load the launcher's MPI")
 
 
+def _not_created(group: Group, missing: list) -> str:
+    return (f"new_group {group.name} (ranks {list(group.ranks)}): ranks {missing} did not create it "
+            f"within {group.timeout:g} s; every rank must create groups in the same order (as with "
+            "torch.distributed.new_group)")
+
+
 def _check_in(store, group: Group) -> None:
     """Every member of ``group`` writes the ranks it means by the group's name, then
     reads the others': a different view (groups created in another order) or a
@@ -140,10 +146,7 @@ def _check_in(store, group: Group) -> None:
             store.wait([key], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError:  # the store's timeout (DistStoreError)
             missing = [m for m in group.ranks if not store.check([f"members/{m}"])]
-            raise CommTimeoutError(
-                f"new_group {group.name} (ranks {list(group.ranks)}): ranks {missing} did not "
-                f"create it within {group.timeout:g} s; every rank must create groups in the "
-                "same order (as with torch.distributed.new_group)") from None
+            raise CommTimeoutError(_not_created(group, missing)) from None
         theirs = store.get(key).decode()
         if theirs != mine:
             raise RuntimeError(
@@ -386,7 +389,8 @@ class Runtime:
                              f"(0 <= rank < world_size), got rank={rank!r}, world_size={world_size!r}")
 
         self.rank, self.world_size = rank, world_size
-        self.store = rendezvous.per_attempt(store)
+        self.store = rendezvous.fresh_keys(store, rank, world_size, self.timeout, lambda late: (
+            f"init_process_group: ranks {late} did not join within {self.timeout:g} s"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         if not want_mpi:
@@ -437,14 +441,18 @@ class Runtime:
             self._group_count += 1
         group = Group(ranks, self.rank, seconds, name, self)
         if group.rank >= 0:
-            if store is None and self.store is not None:
+            given = store is not None
+            if not given and self.store is not None:
                 import torch.distributed as dist
 
                 store = dist.PrefixStore(f"groups/{name}/", self.store)
-            elif store is not None:  # torch's, for a group it makes: kept across torchrun's restarts
-                store = rendezvous.per_attempt(store)
             if store is not None:
                 _check_in(store, group)
+            if given:  # torch's, for a group it makes: it outlives torchrun's restarts, and torch
+                # reuses a group's name after re-initialising; the check-in above meets
+                # an earlier start's keys only with the same view
+                store = rendezvous.fresh_keys(store, group.rank, len(group.ranks), group.timeout,
+                                              lambda late: _not_created(group, [group.ranks[r] for r in late]))
             for bname, backend in self.backends.items():
                 group.handles[bname] = backend.new_group(group.ranks, group.rank, store, seconds)
         self.groups.append(group)

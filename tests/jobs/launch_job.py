@@ -15,7 +15,12 @@ stale      the drop-in start (torch.distributed.init_process_group("mcrdl") on
            attempt 0 left under the groups' keys first (torchrun --max-restarts 1).
 bad-gloo   rank 1's gloo cannot start (GLOO_SOCKET_IFNAME names no interface) after
            MPI is up, while rank 0 waits for it: rank 1 must fail at once, not wait
-           in MPI_Finalize for rank 0 (which waits for rank 1 until the timeout)."""
+           in MPI_Finalize for rank 0 (which waits for rank 1 until the timeout).
+two-agents DIR   one rank under each of two torchrun agents (--nnodes 2), drop-in
+           start: in the first start rank 1 dies while rank 0 sleeps in no op; rank 1's
+           agent restarts it counting a restart, rank 0's (healthy) without, so their
+           TORCHELASTIC_RESTART_COUNTs differ in the second start over the same store
+           (DIR keeps which ranks started before)."""
 import os
 import sys
 from datetime import timedelta
@@ -63,12 +68,42 @@ def stale_keys_job(attempt: int) -> None:
         time.sleep(60)  # torchrun ends this rank when it restarts the job
     print(f"rank {rank}: OK stale keys attempt {attempt}", flush=True)
     dist.destroy_process_group()
+
+
+def two_agents_job(marks: str) -> None:
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    import mcrdl.integrations.torch_backend  # noqa: F401  (registers "mcrdl")
+
+    rank = int(os.environ["RANK"])
+    mark = os.path.join(marks, f"started{rank}")
+    first = not os.path.exists(mark)
+    open(mark, "w").close()
+    dist.init_process_group("mcrdl", timeout=timedelta(seconds=60))
+    t = torch.full((8,), float(rank + 1))
+    dist.all_reduce(t)
+    check(bool(torch.all(t == 3.0)), "all_reduce on the world", t.tolist())
+    if first:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)  # healthy: its agent ends it for the next round
+    restarts = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    print(f"rank {rank}: OK two agents, restart count {restarts}", flush=True)
+    dist.destroy_process_group()
+
+
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 if mode == "restart" and attempt == 0 and os.environ["RANK"] == "1":
     print("rank 1: attempt 0 fails on purpose before init", flush=True)
     sys.exit(3)
 if mode == "stale":
     stale_keys_job(attempt)
+    sys.exit(0)
+if mode == "two-agents":
+    two_agents_job(sys.argv[2])
     sys.exit(0)
 mcrdl.init_process_group(timeout=60)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
