@@ -5,6 +5,7 @@ across hosts: test_multihost.py; PyTorch's own suite, which spawns its ranks:
 test_torch_suite.py.)"""
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -23,8 +24,8 @@ def torchrun(nprocs, *argv, extra=(), timeout=300):
     """``torchrun --standalone`` of a job in tests/jobs: (exit status, output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
            *extra, str(JOBS / argv[0]), *argv[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=JOBS, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
+    rc, stdout, stderr = run_or_dump(cmd, timeout, env=ENV, cwd=JOBS)  # (past it: no worker left)
+    return rc, stdout + stderr
 
 
 def free_port():
@@ -99,10 +100,15 @@ def test_two_torchrun_agents_restart_with_different_counts(tmp_path):
                                cwd=JOBS, start_new_session=True) for _ in range(2)]
     try:
         outs = [agent.communicate(timeout=150)[0] for agent in agents]
-    finally:
+    finally:  # an agent may leave its workers behind when it fails: each wrote its pid
         for agent in agents:
             if agent.poll() is None:
-                os.killpg(agent.pid, 9)
+                os.killpg(agent.pid, signal.SIGKILL)
+        for pid_file in tmp_path.glob("pid-*"):
+            try:
+                os.kill(int(pid_file.name[4:]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     out = "\n".join(outs)
     assert all(agent.returncode == 0 for agent in agents), out[-6000:]
     counts = sorted(re.findall(r"OK two agents, restart count (\d)", out))

@@ -79,6 +79,7 @@ def two_agents_job(marks: str) -> None:
     import mcrdl.integrations.torch_backend  # noqa: F401  (registers "mcrdl")
 
     rank = int(os.environ["RANK"])
+    open(os.path.join(marks, f"pid-{os.getpid()}"), "w").close()  # the test ends what is left
     mark = os.path.join(marks, f"started{rank}")
     first = not os.path.exists(mark)
     open(mark, "w").close()
