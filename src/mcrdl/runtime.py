@@ -216,7 +216,9 @@ class Runtime:
         self.unavailable: dict[str, str] = {}
         if self.store is None and (any(n in requested for n in ("gloo", "nccl"))
                                    or (beat > 0 and self.world_size > 1)):
+            self._failing_alike = True  # make_store raises on every rank alike
             self.ensure_store()
+            self._failing_alike = False
         if self.store is not None and beat > 0 and self.world_size > 1:
             self.health = Health(self.store, self.rank, beat, self.store_host)
         self._abort_at_exit = False
