@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -30,28 +29,42 @@ def pytest_collection_modifyitems(items):
 
 #: test file -> [wall s, CPU s, tests]: what each file cost, printed at the end of the run
 _COST: dict = {}
+_CPU_AT_START = pytest.StashKey[float]()
 
 
 def _cpu_seconds():
-    """CPU seconds of pytest and of the processes it has waited for (its jobs'
-    launchers wait for their ranks; a process nobody waited for is not counted)."""
+    """CPU seconds of this pytest process and of the processes it has waited for (its
+    jobs' launchers wait for their ranks; a process nobody waited for is not counted)."""
     own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    wall, cpu = time.monotonic(), _cpu_seconds()
+    item.stash[_CPU_AT_START] = _cpu_seconds()
     yield
-    cost = _COST.setdefault(item.location[0], [0.0, 0.0, 0])
-    cost[0] += time.monotonic() - wall
-    cost[1] += _cpu_seconds() - cpu
-    cost[2] += 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The teardown report carries the test's CPU seconds (to pytest-xdist's controller too)."""
+    report = (yield).get_result()
+    if call.when == "teardown" and _CPU_AT_START in item.stash:
+        report.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_CPU_AT_START]))
+
+
+def pytest_runtest_logreport(report):
+    cost = _COST.setdefault(report.location[0], [0.0, 0.0, 0])
+    cost[0] += report.duration
+    if report.when == "teardown":
+        cost[1] += dict(report.user_properties).get("cpu_s", 0.0)
+        cost[2] += 1
 
 
 def pytest_terminal_summary(terminalreporter):
     """Each test file's wall time and CPU time, slowest first: on this 2-core
-    machine a file near 2 cores is CPU-bound, one well below waits."""
+    machine a file near 2 cores is CPU-bound, one well below waits. (Under
+    pytest-xdist files run side by side: their times add up to more than the run's.)"""
     if not _COST:
         return
     terminalreporter.section("time per test file (CPU: pytest and the processes it waited for)")
@@ -65,8 +78,21 @@ def pytest_terminal_summary(terminalreporter):
 
 class JobOutput(str):
     """A job's combined output, with what its ranks filed through tests/jobs/verdicts.py:
-    ``verdicts``, one dict per check (name, rank, ok; expected, got, where if it failed)."""
+    ``verdicts``, one dict per check (name, rank, ok; expected, got, where if it failed),
+    and ``rc``, the job's exit status."""
     verdicts: list
+    rc: int
+
+    def part(self, name):
+        """The job's output with only the verdicts of its part ``name`` (a job that ran
+        several, tests/jobs/verdicts.py ``run_parts``) and those filed outside any part;
+        an exit status other than 0 is a failed check of every part."""
+        view = JobOutput(self)
+        view.verdicts, view.rc = [v for v in self.verdicts if v.get("part", name) == name], self.rc
+        if self.rc != 0:
+            view.verdicts.append({"name": "exit status", "rank": "all", "ok": False, "expected": 0,
+                                  "got": self.rc, "where": "the job's end"})
+        return view
 
     def failures(self, judged=lambda name: True):
         """One line per failed check among ``judged`` names: name, rank, expected, got,
@@ -107,7 +133,7 @@ def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec")
                     "TEST_VERDICTS": verdicts}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout + 30)
         out = JobOutput(proc.stdout + proc.stderr)
-        out.verdicts = read_verdicts(verdicts)
+        out.verdicts, out.rc = read_verdicts(verdicts), proc.returncode
     return out, proc.returncode
 
 

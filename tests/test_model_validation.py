@@ -89,4 +89,8 @@ def test_calibrated_from_the_jobs_own_calls(tmp_path):
     cost.calibrate(calib, "the calibration step")
     (later,) = compare(cfg, log, cost, iterations=STEPS)
     assert later.pred_count == later.meas_count == 8 * STEPS and later.pred_s > 0
-    assert later.pred_s == pytest.approx(8 * STEPS * cost.fits[("all_reduce", "mpi")].time_us(131072, 2) * 1e-6)
+    # the model takes the fastest fit: MPI's, calibrated from that one step, unless the
+    # step ran slow enough (a loaded machine) that gloo's bench values beat it
+    fits = {b: fit.time_us(131072, 2) for (op, b), fit in cost.fits.items() if op == "all_reduce"}
+    assert later.pred_backend == min(fits, key=fits.get), (later, fits)
+    assert later.pred_s == pytest.approx(8 * STEPS * fits[later.pred_backend] * 1e-6)

@@ -1,14 +1,27 @@
 """Regressions found in the core review; each case failed before its fix."""
 import pytest
 
-from conftest import run_job
+from conftest import run_job, run_job_rc
 
-CASES = ["staging", "aliased", "future", "futures_thread", "callbacks", "polling", "parameters", "barrier", "destroy",
-         "multidim_blocks", "span_memo", "released", "p2p_order", "collective_order", "gloo_plans_order"]
+#: cases that leave the runtime as they found it: one job runs them in turn
+TOGETHER = ["staging", "aliased", "future", "futures_thread", "callbacks", "polling", "parameters", "barrier",
+            "multidim_blocks", "span_memo", "p2p_order", "collective_order"]
+#: cases that end the runtime, or that need it started their own way: a job each
+ALONE = ["destroy", "released", "gloo_plans_order"]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_review_regression(case):
+@pytest.fixture(scope="module")
+def together():
+    return run_job_rc(2, "regressions_job.py", ",".join(TOGETHER), timeout=240)[0]
+
+
+@pytest.mark.parametrize("case", TOGETHER)
+def test_review_regression(case, together):
+    together.part(case).require([f"{case} finished"], range(2))
+
+
+@pytest.mark.parametrize("case", ALONE)
+def test_review_regression_alone(case):
     out = run_job(2, "regressions_job.py", case, timeout=120)
     out.require([f"{case} finished"], range(2))
 

@@ -1,5 +1,5 @@
 """Regressions from the core review (each case failed before its fix).
-Usage: regressions_job.py CASE"""
+Usage: regressions_job.py CASE[,CASE...] (several: run in turn, a barrier after each)"""
 import sys
 import time
 
@@ -9,7 +9,8 @@ import mcrdl
 import verdicts
 from common import check
 
-case = sys.argv[1]
+cases = sys.argv[1].split(",")
+case = cases[0]
 if case == "start_error":
     from mcrdl.backends.torch_pg import GlooBackend
 
@@ -500,14 +501,19 @@ def wait_error():
     verdicts.check("the next call runs", torch.equal(t, torch.full((4,), float(world))), float(world), t)
 
 
-{"collective_order": collective_order, "p2p_order": p2p_order, "staging": staging, "aliased": aliased, "future": future, "futures_thread": futures_thread,
- "callbacks": callbacks,
- "polling": polling, "parameters": parameters, "barrier": barrier_orders,
- "destroy": destroy_pending, "callback_at_exit": callback_at_exit,
- "multidim_blocks": multidim_blocks, "span_memo": span_memo, "released": released, "plan_fit": plan_fit, "start_error": start_error,
- "wait_error": wait_error, "gloo_plans_order": lambda: plans_order("gloo")}[case]()
+CASES = {"collective_order": collective_order, "p2p_order": p2p_order, "staging": staging, "aliased": aliased,
+         "future": future, "futures_thread": futures_thread, "callbacks": callbacks, "polling": polling,
+         "parameters": parameters, "barrier": barrier_orders, "destroy": destroy_pending,
+         "callback_at_exit": callback_at_exit, "multidim_blocks": multidim_blocks, "span_memo": span_memo,
+         "released": released, "plan_fit": plan_fit, "start_error": start_error, "wait_error": wait_error,
+         "gloo_plans_order": lambda: plans_order("gloo")}
+if len(cases) > 1:
+    verdicts.run_parts(cases, CASES, after_each=mcrdl.barrier)
+else:
+    CASES[case]()
 if mcrdl.is_initialized():
     mcrdl.barrier()
     mcrdl.destroy_process_group()
-verdicts.finished(case)
-print(f"rank {rank}: {case} OK")
+if len(cases) == 1:
+    verdicts.finished(case)
+print(f"rank {rank}: {sys.argv[1]} OK")

@@ -18,6 +18,7 @@ import torch
 _DIRECTORY = os.environ.get("TEST_VERDICTS")  # made and read back by tests/conftest.py
 _RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 _rank = None
+_part = None  # the part of the job running now (run_parts)
 
 
 def set_rank(rank):
@@ -35,6 +36,8 @@ def rank():
 def record(name, ok, expected=None, got=None, where=None):
     """File one verdict; ``expected``/``got`` are kept as their repr (only on failure)."""
     entry = {"name": name, "rank": rank(), "ok": bool(ok)}
+    if _part is not None:
+        entry["part"] = _part
     if not ok:
         entry.update(expected=None if expected is None else _short(expected),
                      got=None if got is None else _short(got), where=where or _caller())
@@ -57,6 +60,30 @@ def finished(name):
     ``<name> finished`` verdict, which the test requires of every rank
     (tests/conftest.py, ``JobOutput.require``): a rank that stopped early is named."""
     return record(f"{name} finished", True)
+
+
+def run_parts(names, parts, after_each=None):
+    """Run the job's parts ``names`` in turn (``parts``: name -> function), so one
+    launch checks many cases; each part's verdicts carry its name (tests/conftest.py,
+    ``JobOutput.part``). A part that raises is an ``uncaught`` check of that part and
+    the next part still runs; one that returns, and ``after_each()`` after it, files
+    ``<name> finished``."""
+    global _part
+    for name in names:
+        _part = name
+        try:
+            parts[name]()
+            if after_each is not None:
+                after_each()
+        except Exception as exc:  # noqa: BLE001 - filed as this part's failure
+            if not isinstance(exc, CheckFailed):
+                record("uncaught", False, "no exception", f"{type(exc).__name__}: {exc}",
+                       _where(exc.__traceback__))
+            traceback.print_exc()
+        else:
+            finished(name)
+        finally:
+            _part = None
 
 
 def check_equal(name, got, want):
@@ -94,14 +121,18 @@ class CheckFailed(AssertionError):
     """A failed check that stops the job (its verdict is already filed)."""
 
 
+def _where(tb):
+    """file:line of the job's deepest frame in a traceback."""
+    frames = [f for f in traceback.extract_tb(tb) if "/tests/jobs/" in f.filename] or traceback.extract_tb(tb)
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
+
+
 def _uncaught(kind, exc, tb):
     """An exception that ends the job is a failed check named ``uncaught``."""
     if issubclass(kind, CheckFailed):
         return _previous_hook(kind, exc, tb)
-    frames = [f for f in traceback.extract_tb(tb) if "/tests/jobs/" in f.filename] or traceback.extract_tb(tb)
-    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else "?"
     try:
-        record("uncaught", False, "no exception", f"{kind.__name__}: {exc}", where)
+        record("uncaught", False, "no exception", f"{kind.__name__}: {exc}", _where(tb))
     finally:
         _previous_hook(kind, exc, tb)
 
