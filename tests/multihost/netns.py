@@ -53,6 +53,7 @@ ROOT_VETH = "mcrdl-v{}"        # root-namespace end of host k's veth pair
 IFACE = "mcrdl0"               # the host's end, inside its namespace
 SUBNET = "10.77.0"             # host k is SUBNET.{k+1}/24
 LOCK = "/run/mcrdl-netns.lock"
+PROBE_LOCK = "/run/mcrdl-netns-probe.lock"  # the probes' own: each pytest-xdist worker probes at collection
 MAX_HOSTS = 16
 
 # What a job needs to use the hosts' network (the same names a user sets on a cluster):
@@ -88,6 +89,19 @@ def unavailable_reason() -> Optional[str]:
     missing = [t for t in ("ip", "unshare") if shutil.which(t) is None]
     if missing:
         return f"missing tools: {', '.join(missing)} (iproute2, util-linux)"
+    with _probing():
+        return _probe()
+
+
+@contextlib.contextmanager
+def _probing():
+    """One probe at a time on this machine (they reuse fixed names)."""
+    with open(PROBE_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _probe() -> Optional[str]:
     probe = "mcrdl-probe"
     proc = _ip("netns", "add", probe, check=False)
     if proc.returncode != 0:
@@ -146,6 +160,11 @@ _made_etc_netns = False
 def cleanup() -> list[str]:
     """Remove every namespace, link and /etc/netns entry of the harness (idempotent;
     kills the processes still inside its namespaces). Returns what was removed."""
+    with _probing():  # (a probe's namespace is removed only once the probe is done)
+        return _cleanup()
+
+
+def _cleanup() -> list[str]:
     removed = leftovers()
     for ns in _namespaces():
         _kill_in(ns)
@@ -320,14 +339,15 @@ def qdisc_available(kind: str) -> bool:
     """Whether this kernel has qdisc ``kind`` (tried on a throw-away veth pair in a
     throw-away namespace)."""
     ns = "mcrdl-probeq"
-    _ip("netns", "add", ns, check=False)
-    try:
-        _ip("-n", ns, "link", "add", "q0", "type", "veth", "peer", "name", "q1", check=False)
-        args = shaping("1ms", None) if kind == "netem" else shaping(None, "1gbit")
-        return subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "q0", "root", *args],
-                              capture_output=True).returncode == 0
-    finally:
-        _ip("netns", "del", ns, check=False)
+    with _probing():
+        _ip("netns", "add", ns, check=False)
+        try:
+            _ip("-n", ns, "link", "add", "q0", "type", "veth", "peer", "name", "q1", check=False)
+            args = shaping("1ms", None) if kind == "netem" else shaping(None, "1gbit")
+            return subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "q0", "root", *args],
+                                  capture_output=True).returncode == 0
+        finally:
+            _ip("netns", "del", ns, check=False)
 
 
 def _create(n: int, delay: Optional[str], rate: Optional[str]) -> Cluster:
