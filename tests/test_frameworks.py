@@ -24,6 +24,8 @@ EXAMPLES = Path(__file__).parents[1] / "examples" / "frameworks"
 # also builds DeepSpeed's shm op in its fixture
 pytestmark = pytest.mark.timeout(1800)
 ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "DS_ACCELERATOR": "cpu"}
+#: a gloo reference job's time limit (s): the slowest took about 40 s here under load
+REFERENCE_TIMEOUT = 180
 
 
 @pytest.fixture(scope="session")
@@ -90,8 +92,12 @@ def run_example(nprocs, script, backend, *args, launcher="mpiexec", timeout=480,
     A gloo reference run that aborts at exit after its RESULT ("terminate called
     without an active exception": torch's gloo worker thread drops the last
     reference to an all_reduce that was still running when the interpreter
-    began finalizing, benchmarks/faults/gloo_exit_abort.py) is run once more; any
+    began finalizing, benchmarks/faults/gloo_exit_abort.py) is run once more; one
+    that hangs on its way out after its RESULT (seen in tests/test_launchers.py's
+    gloo reference) is ended after ``REFERENCE_TIMEOUT`` and its RESULT kept; any
     other failure, and any on mcrdl, fails."""
+    if backend == "gloo":
+        timeout = min(timeout, REFERENCE_TIMEOUT)
     cmd = launch_command(launcher, nprocs, script, [*args, "--backend", backend], timeout)
     what = " ".join([script, *args, "--backend", backend, "under", launcher])
     for attempt in (1, 2):
@@ -100,6 +106,10 @@ def run_example(nprocs, script, backend, *args, launcher="mpiexec", timeout=480,
         results = [line[len("RESULT "):] for line in stdout.splitlines() if line.startswith("RESULT ")]
         exit_abort = (backend == "gloo" and len(results) == 1
                       and "terminate called without an active exception" in out)
+        if backend == "gloo" and len(results) == 1 and rc == 124:  # mcrdl run's timeout
+            warnings.warn(f"{what} on {nprocs} ranks hung on its way out after its RESULT (torch's "
+                          f"gloo); its RESULT stands:\n{out[-2000:]}")
+            rc = 0
         if rc == 0 or not exit_abort or attempt == 2:
             break
         warnings.warn(f"{what} on {nprocs} ranks aborted at exit after its RESULT (torch's gloo "
