@@ -6,19 +6,33 @@ import sys
 
 import pytest
 
-from conftest import run_job
+from conftest import run_job, run_job_rc
 from mcrdl.autotune import TRIAL_STALL_GAP, Autotuner, Bucket, bucket, bucket_bounds, period_of
 from mcrdl.backends import REGISTRY
 from mcrdl.tuning import TuningTable
 
 
-@pytest.mark.parametrize("case", ["ops", "one_sided", "disagree", "slow_rank", "uneven", "reused"])
-def test_autotune_two_ranks(case):
+TWO_RANKS = ["ops", "one_sided", "disagree", "slow_rank", "uneven", "reused"]
+FOUR_RANKS = ["subgroups", "ops"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One job runs every 2-rank case in turn, each on a runtime of its own."""
+    return run_job_rc(2, "autotune_job.py", ",".join(TWO_RANKS), timeout=400)[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_job_rc(4, "autotune_job.py", ",".join(FOUR_RANKS), timeout=400)[0]
+
+
+@pytest.mark.parametrize("case", TWO_RANKS)
+def test_autotune_two_ranks(case, two_ranks):
     """one_sided hangs and disagree and reused deadlock without their fixes
     (plans kept while exploring; winners agreed on by the group; state per
     group object, not per name)."""
-    out = run_job(2, "autotune_job.py", case, timeout=240)
-    out.require([f"{case} finished"], range(2))
+    two_ranks.part(case).require([f"{case} finished"], range(2))
 
 
 def test_drift_check_opens_a_bucket_again_at_one_call_on_every_rank():
@@ -29,14 +43,24 @@ def test_drift_check_opens_a_bucket_again_at_one_call_on_every_rank():
     out.require(["drift finished"], range(2))
 
 
-@pytest.mark.parametrize("costly,block_ms", [("gloo", "30"), ("mpi", "30"), ("gloo", "0")])  # (30: quicker)
-def test_trial_over_blocks_refuses_a_backend_that_slows_the_work_around_it(costly, block_ms):
+@pytest.fixture(scope="module")
+def trials_of_30_ms():
+    """Both step-cost cases with trials over 30 ms blocks (quicker than the default), one job."""
+    return run_job_rc(2, "autotune_job.py", "step_cost_gloo,step_cost_mpi", timeout=300,
+                      env={"MCRDL_AUTOTUNE_BLOCK_MS": "30"})[0]
+
+
+@pytest.mark.parametrize("costly,block_ms", [("gloo", "30"), ("mpi", "30"), ("gloo", "0")])
+def test_trial_over_blocks_refuses_a_backend_that_slows_the_work_around_it(request, costly, block_ms):
     """gloo wins per call, but calls on ``costly`` slow what the job does after
     them: the trial keeps mpi when gloo is costly, gloo otherwise; with no
     trial (0 ms) the per-call winner stays. The ranks' blocks must be agreed."""
-    out = run_job(2, "autotune_job.py", f"step_cost_{costly}", timeout=180,
-                  env={"MCRDL_AUTOTUNE_BLOCK_MS": block_ms})
-    out.require([f"step_cost_{costly} finished"], range(2))
+    case = f"step_cost_{costly}"
+    if block_ms == "30":
+        out = request.getfixturevalue("trials_of_30_ms").part(case)
+    else:
+        out = run_job(2, "autotune_job.py", case, timeout=180, env={"MCRDL_AUTOTUNE_BLOCK_MS": block_ms})
+    out.require([f"{case} finished"], range(2))
 
 
 def test_debug_mode_names_a_drifted_schedule():
@@ -44,10 +68,9 @@ def test_debug_mode_names_a_drifted_schedule():
     out.require(["debug_divergence finished"], range(2))
 
 
-@pytest.mark.parametrize("case", ["subgroups", "ops"])
-def test_autotune_four_ranks(case):
-    out = run_job(4, "autotune_job.py", case, timeout=300)
-    out.require([f"{case} finished"], range(4))
+@pytest.mark.parametrize("case", FOUR_RANKS)
+def test_autotune_four_ranks(case, four_ranks):
+    four_ranks.part(case).require([f"{case} finished"], range(4))
 
 
 def test_saved_table_loads_and_selects_what_was_learned(tmp_path):

@@ -1,4 +1,5 @@
-"""In-situ autotune (mcrdl.autotune). Usage: autotune_job.py CASE
+"""In-situ autotune (mcrdl.autotune). Usage: autotune_job.py CASE[,CASE...]
+(several: in turn, each on a runtime of its own: init, the case, destroy)
 
 Every result is checked against a local reference, during exploration and
 after; at the end every member of every group must hold the same winners."""
@@ -16,11 +17,19 @@ from common import check
 from mcrdl import api
 from mcrdl.autotune import bucket, bucket_bounds
 
-case = sys.argv[1]
+cases = sys.argv[1].split(",")
 os.environ.setdefault("MCRDL_AUTOTUNE_BLOCK_MS", "5")  # trials (a challenger won per call) end quickly
-mcrdl.init_process_group(timeout=30, autotune=True)
-rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-tuner = api._runtime.autotune
+rank = world = tuner = None
+
+
+def start():
+    """A runtime with autotune on, its tuner fresh."""
+    global rank, world, tuner
+    mcrdl.init_process_group(timeout=30, autotune=True)
+    rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+    tuner = api._runtime.autotune
+
+
 # float32 elements either side of bucket edges (1 KiB, 4 KiB) for each op's lookup size
 EDGES = (1, 255, 256, 257, 1023, 1024, 1025)
 
@@ -355,9 +364,14 @@ def drift():
                                                                                              torch.ones(64)))
 
 
-{"ops": ops, "drift": drift, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank, "subgroups": subgroups,
- "uneven": uneven, "reused": reused, "debug_divergence": debug_divergence,
- "step_cost_gloo": lambda: step_cost("gloo"), "step_cost_mpi": lambda: step_cost("mpi")}[case]()
-verdicts.finished(case)
-print(f"rank {rank}: {case} OK", flush=True)
-mcrdl.destroy_process_group()
+CASES = {"ops": ops, "drift": drift, "one_sided": one_sided, "disagree": disagree, "slow_rank": slow_rank,
+         "subgroups": subgroups, "uneven": uneven, "reused": reused, "debug_divergence": debug_divergence,
+         "step_cost_gloo": lambda: step_cost("gloo"), "step_cost_mpi": lambda: step_cost("mpi")}
+if len(cases) > 1:
+    verdicts.run_parts(cases, CASES, before_each=start, after_each=mcrdl.destroy_process_group)
+else:
+    start()
+    CASES[cases[0]]()
+    verdicts.finished(cases[0])
+    mcrdl.destroy_process_group()
+print(f"rank {rank}: {sys.argv[1]} OK", flush=True)

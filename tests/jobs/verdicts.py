@@ -62,16 +62,20 @@ def finished(name):
     return record(f"{name} finished", True)
 
 
-def run_parts(names, parts, after_each=None):
+def run_parts(names, parts, before_each=None, after_each=None):
     """Run the job's parts ``names`` in turn (``parts``: name -> function), so one
     launch checks many cases; each part's verdicts carry its name (tests/conftest.py,
-    ``JobOutput.part``). A part that raises is an ``uncaught`` check of that part and
-    the next part still runs; one that returns, and ``after_each()`` after it, files
+    ``JobOutput.part``). ``before_each()`` and ``after_each()`` run around each part
+    (a fresh runtime per part: init and destroy). A part that raises is an
+    ``uncaught`` check of that part, ``after_each()`` is tried once more, and the
+    next part still runs; one that returns, and ``after_each()`` after it, files
     ``<name> finished``."""
     global _part
     for name in names:
         _part = name
         try:
+            if before_each is not None:
+                before_each()
             parts[name]()
             if after_each is not None:
                 after_each()
@@ -80,6 +84,11 @@ def run_parts(names, parts, after_each=None):
                 record("uncaught", False, "no exception", f"{type(exc).__name__}: {exc}",
                        _where(exc.__traceback__))
             traceback.print_exc()
+            if after_each is not None:
+                try:
+                    after_each()
+                except Exception:  # noqa: BLE001 - the part's failure is filed; the next part may run
+                    traceback.print_exc()
         else:
             finished(name)
         finally:
