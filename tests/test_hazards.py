@@ -3,29 +3,37 @@ import re
 
 import pytest
 
-from conftest import run_job
+from conftest import run_job, run_job_rc
 
 
-def test_cross_backend_progress_does_not_deadlock():
+#: one job runs these in turn, each on a runtime of its own
+TOGETHER = ["progress", "order", "straddle", "debug"]
+
+
+@pytest.fixture(scope="module")
+def together():
+    return run_job_rc(2, "hazards_job.py", ",".join(TOGETHER), timeout=240)[0]
+
+
+def test_cross_backend_progress_does_not_deadlock(together):
     # MPI irecv of 64 MB outstanding while blocking in gloo (barrier, all_reduce,
     # and reduce_scatter, whose is_completed() lies until wait()).
-    out = run_job(2, "hazards_job.py", "progress", timeout=120)
-    times = [float(t) for t in re.findall(r"hazard-1 with gloo \w+: ([\d.]+) ms", out)]
-    assert len(times) == 6, out
+    together.part("progress").require(["progress finished"], range(2))
+    times = [float(t) for t in re.findall(r"hazard-1 with gloo \w+: ([\d.]+) ms", together)]
+    assert len(times) == 6, together
     assert max(times) < 1000, times
 
 
-def test_program_order_across_backends():
-    run_job(2, "hazards_job.py", "order", timeout=120)
+def test_program_order_across_backends(together):
+    together.part("order").require(["order finished"], range(2))
 
 
-def test_uneven_all_to_all_straddling_a_threshold_agrees():
-    run_job(2, "hazards_job.py", "straddle", timeout=120)
+def test_uneven_all_to_all_straddling_a_threshold_agrees(together):
+    together.part("straddle").require(["straddle finished"], range(2))
 
 
-def test_debug_mode_catches_mismatched_collectives():
-    out = run_job(2, "hazards_job.py", "debug", timeout=120)
-    out.require(["debug finished"], range(2))
+def test_debug_mode_catches_mismatched_collectives(together):
+    together.part("debug").require(["debug finished"], range(2))
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])

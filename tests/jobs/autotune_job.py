@@ -22,7 +22,7 @@ os.environ.setdefault("MCRDL_AUTOTUNE_BLOCK_MS", "5")  # trials (a challenger wo
 rank = world = tuner = None
 
 
-def start():
+def start(case=None):
     """A runtime with autotune on, its tuner fresh."""
     global rank, world, tuner
     mcrdl.init_process_group(timeout=30, autotune=True)

@@ -1,4 +1,5 @@
-"""Design hazards 1-4 and 6 through the public API. Usage: hazards_job.py CASE"""
+"""Design hazards 1-4 and 6 through the public API. Usage: hazards_job.py CASE[,CASE...]
+(several: in turn, each on a runtime of its own)"""
 import sys
 import time
 
@@ -8,13 +9,24 @@ import mcrdl
 import verdicts
 from common import check, value
 
-case = sys.argv[1]
+cases = sys.argv[1].split(",")
 TABLE = {"format": "mcrdl-tuning/1", "metadata": {"note": "hand-written for tests"},
          "rules": {"all_to_all": {"2": [{"max_bytes": 1000, "backend": "mpi"},
                                         {"max_bytes": None, "backend": "gloo"}]}}}
-mcrdl.init_process_group(timeout=30, tuning_table=TABLE if case == "straddle" else None,
-                         debug=case == "debug")
-rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+rank = world = None
+
+
+def start(case):
+    """The runtime ``case`` runs on: straddle's with a hand-written table, debug's in debug mode."""
+    global rank, world
+    mcrdl.init_process_group(timeout=30, tuning_table=TABLE if case == "straddle" else None,
+                             debug=case == "debug")
+    rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
+
+
+def end():
+    mcrdl.barrier()
+    mcrdl.destroy_process_group()
 
 
 def progress():
@@ -126,7 +138,6 @@ def debug():
     t = torch.ones(4)
     mcrdl.all_reduce(t)  # still usable after a detected mismatch
     check(torch.equal(t, torch.full((4,), float(world))), "all_reduce after mismatch", t)
-    verdicts.finished("debug")
     print(f"rank {rank}: debug OK")
 
 
@@ -189,8 +200,12 @@ def timeout():
             print(f"rank 0: {backend} blocking recv deadline after {elapsed:.2f} s")
 
 
-{"progress": progress, "order": order, "straddle": straddle, "debug": debug,
- "timeout": timeout}[case]()
-mcrdl.barrier()
-mcrdl.destroy_process_group()
-print(f"rank {rank}: {case} done")
+CASES = {"progress": progress, "order": order, "straddle": straddle, "debug": debug, "timeout": timeout}
+if len(cases) > 1:
+    verdicts.run_parts(cases, CASES, before_each=start, after_each=end)
+else:
+    start(cases[0])
+    CASES[cases[0]]()
+    end()
+    verdicts.finished(cases[0])
+print(f"rank {rank}: {sys.argv[1]} done")

@@ -65,8 +65,8 @@ def finished(name):
 def run_parts(names, parts, before_each=None, after_each=None):
     """Run the job's parts ``names`` in turn (``parts``: name -> function), so one
     launch checks many cases; each part's verdicts carry its name (tests/conftest.py,
-    ``JobOutput.part``). ``before_each()`` and ``after_each()`` run around each part
-    (a fresh runtime per part: init and destroy). A part that raises is an
+    ``JobOutput.part``). ``before_each(name)`` and ``after_each()`` run around each
+    part (a fresh runtime per part: init and destroy). A part that raises is an
     ``uncaught`` check of that part, ``after_each()`` is tried once more, and the
     next part still runs; one that returns, and ``after_each()`` after it, files
     ``<name> finished``."""
@@ -75,7 +75,7 @@ def run_parts(names, parts, before_each=None, after_each=None):
         _part = name
         try:
             if before_each is not None:
-                before_each()
+                before_each(name)
             parts[name]()
             if after_each is not None:
                 after_each()
