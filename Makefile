@@ -18,10 +18,8 @@ demo: $(STAMP)
 	$(BIN)/mcrdl info
 	$(BIN)/mcrdl demo
 
-# two pytest-xdist workers, a test file each at a time: one worker's jobs wait (timeouts, faults,
-# services) while the other's compute, and a file's session fixtures and memos stay in one process
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=25 -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -ra --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

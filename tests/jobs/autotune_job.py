@@ -166,7 +166,7 @@ def disagree():
 
 def step_cost(costly):
     """Per call gloo measures faster on every rank (mpi's times are recorded
-    1000x), but every call that runs on ``costly`` slows the job's work after
+    1e5x), but every call that runs on ``costly`` slows the job's work after
     it by 5 ms. The trial over blocks of calls sees what per-call times cannot:
     gloo wins unless it is the costly one (with MCRDL_AUTOTUNE_BLOCK_MS=0, no
     trial: gloo always). Rank 1 starts 50 ms late, so the ranks' paces (and
@@ -179,7 +179,8 @@ def step_cost(costly):
     while exploring():  # (learned before the hack below: a trial of its own would come first)
         mcrdl.broadcast(x, src=0)
     real = tuner.record
-    tuner.record = lambda b, name, s: real(b, name, s * (1000 if name == "mpi" else 1))
+    # (1e5: a gloo call on a loaded machine took longer than 1000 MPI calls in one round)
+    tuner.record = lambda b, name, s: real(b, name, s * (1e5 if name == "mpi" else 1))
     ran = []
     be = api._runtime.backends[costly]
     real_all_reduce = be.all_reduce
