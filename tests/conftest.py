@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import forkserver
+
 JOBS = Path(__file__).parent / "jobs"
+#: a rank command's first word, before its script: the rank is forked from this pytest
+#: process's fork server, which has imported torch already (tests/forkserver.py)
+FORKED = forkserver.__file__
 # one compute thread per rank in every job the tests start, as torchrun sets: ranks
 # share this machine's cores, and threads beyond them only queue
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -21,6 +26,16 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 KINDS = {"test_fuzz": "unit", "test_order_checks": "unit", "test_selector": "unit",
          "test_tune_unit": "unit", "test_tuning": "unit", "test_settings": "unit", "test_frameworks": "frameworks",
          "test_torch_suite": "frameworks", "test_compile": "frameworks", "test_cuda": "gpu"}
+
+
+def pytest_sessionstart(session):
+    """The fork server of this pytest process (tests/forkserver.py; not in pytest-xdist's
+    controller, which runs no test; not with ``TEST_FRESH_RANKS=1``, where every rank
+    starts fresh)."""
+    controller = getattr(session.config.option, "numprocesses", None) and not hasattr(session.config,
+                                                                                         "workerinput")
+    if not controller and not os.environ.get("TEST_FRESH_RANKS"):
+        os.environ["TEST_FORKSERVER"] = forkserver.start()
 
 
 def pytest_collection_modifyitems(items):
@@ -34,10 +49,11 @@ _CPU_AT_START = pytest.StashKey[float]()
 
 
 def _cpu_seconds():
-    """CPU seconds of this pytest process and of the processes it has waited for (its
-    jobs' launchers wait for their ranks; a process nobody waited for is not counted)."""
+    """CPU seconds of this pytest process, of the processes it has waited for (its
+    jobs' launchers wait for their ranks; a process nobody waited for is not counted)
+    and of the ranks its fork server forked."""
     own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime + forkserver.cpu_seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -125,9 +141,10 @@ def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0, launcher=
 
 
 def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec"):
-    """:func:`run_job`'s output and the job's exit status (``launcher``: mcrdl run's)."""
+    """:func:`run_job`'s output and the job's exit status (``launcher``: mcrdl run's).
+    Its ranks are forked from the session's fork server (tests/forkserver.py)."""
     cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--launcher", launcher,
-           "--timeout", str(timeout), str(JOBS / script), *map(str, args)]
+           "--timeout", str(timeout), FORKED, str(JOBS / script), *map(str, args)]
     with tempfile.TemporaryDirectory(prefix="verdicts_") as verdicts:
         # (a rank killed by a fatal signal prints where each of its threads was)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {}),

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_job, run_job_rc
+from conftest import FORKED, run_job, run_job_rc
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
@@ -58,7 +58,7 @@ def test_reduce_scatter_by_rows_at_every_size(nprocs, env):
 
 def test_hello_example():
     hello = Path(__file__).parents[1] / "examples" / "hello.py"
-    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "120",
+    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "120", FORKED,
                            str(hello)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("all_reduce on cpu -> [3.0, 3.0, 3.0, 3.0]") == 4  # 2 ranks x mpi, gloo

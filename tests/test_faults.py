@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import JOBS
+from conftest import FORKED, JOBS
 from mcrdl.work import DONE, Engine
 
 TIMEOUT = 4.0  # group timeout inside the jobs (s)
@@ -63,7 +63,7 @@ def _spawn(n: int, args, report_dir: Path, timeout: float = 60, frozen: int = -1
     that kills the survivors when one dies. Rank ``frozen`` (stopped by
     SIGSTOP) is killed once the others have reported, as a launcher would."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(JOBS / "faults_job.py"), *args, str(report_dir)],
+    procs = [subprocess.Popen([sys.executable, FORKED, str(JOBS / "faults_job.py"), *args, str(report_dir)],
                               env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
                                    "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port)},
@@ -86,7 +86,7 @@ def _spawn(n: int, args, report_dir: Path, timeout: float = 60, frozen: int = -1
 
 
 def _mpiexec(n: int, args, report_dir: Path, extra=()) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(n), "--timeout", "90", *extra,
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(n), "--timeout", "90", *extra, FORKED,
            str(JOBS / "faults_job.py"), *args, str(report_dir)]
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
 
@@ -171,7 +171,7 @@ def test_a_busy_rank_is_not_taken_for_frozen(tmp_path):
         "mcrdl.all_reduce(x, backend='gloo')\n"
         "assert torch.equal(x, torch.full((4,), 2.0)), x\n"
         "sys.stdout.write(f'rank {mcrdl.get_rank()} ok\\n')\n")  # one write: ranks share the pipe
-    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "90",
+    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "90", FORKED,
                            str(script)], capture_output=True, text=True,
                           env={**ENV, "MCRDL_FROZEN_S": "1"}, timeout=120)
     out = proc.stdout + proc.stderr
@@ -249,7 +249,7 @@ def test_a_rank_that_leaves_cleanly_is_not_reported_dead(tmp_path):
         "time.sleep(2.0)\n"
         "print('rank 0 done', flush=True)\n")
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "3", "--timeout", "60",
-                           "--extra=-disable-auto-cleanup", str(script)],
+                           "--extra=-disable-auto-cleanup", FORKED, str(script)],
                           capture_output=True, text=True, env=ENV, timeout=90)
     out = proc.stdout + proc.stderr
     assert "rank 0: rank 2 died (its process ended)" in out, out[-3000:]

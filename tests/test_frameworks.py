@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FORKED
+
 EXAMPLES = Path(__file__).parents[1] / "examples" / "frameworks"
 # a test runs two jobs (each bounded by mcrdl run's --timeout); the first DeepSpeed one
 # also builds DeepSpeed's shm op in its fixture
@@ -49,12 +51,13 @@ def deepspeed(tmp_path_factory):
 
 def launch_command(launcher, nprocs, script, args, timeout):
     """The command line starting ``script`` on ``nprocs`` local ranks with ``launcher``:
-    mpiexec, torchrun or srun (through `mcrdl run`), DeepSpeed's own launcher, or
-    Lightning's (the script run as is: the Trainer starts the other ranks)."""
+    mpiexec, torchrun or srun (through `mcrdl run`, the ranks forked: conftest's
+    ``FORKED``), DeepSpeed's own launcher, or Lightning's (the script run as is: the
+    Trainer starts the other ranks)."""
     path = str(EXAMPLES / script)
     if launcher in ("mpiexec", "torchrun", "srun"):
         return [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", launcher, "-n", str(nprocs),
-                "--timeout", str(timeout), path, *args]
+                "--timeout", str(timeout), FORKED, path, *args]
     if launcher == "deepspeed":
         return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nprocs), path, *args]
     if launcher == "lightning":

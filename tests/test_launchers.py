@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOBS, run_job_rc, run_or_dump
+from conftest import FORKED, JOBS, run_job_rc, run_or_dump
 from mcrdl import pmi
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).parents[1] / "examples" / "frameworks"
 def torchrun(nprocs, *argv, extra=(), timeout=300):
     """``torchrun --standalone`` of a job in tests/jobs: (exit status, output)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-           *extra, str(JOBS / argv[0]), *argv[1:]]
+           *extra, FORKED, str(JOBS / argv[0]), *argv[1:]]
     rc, stdout, stderr = run_or_dump(cmd, timeout, env=ENV, cwd=JOBS)  # (past it: no worker left)
     return rc, stdout + stderr
 
@@ -94,7 +94,7 @@ def test_two_torchrun_agents_restart_with_different_counts(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
            "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "--rdzv-id=two-agents", "--monitor-interval=0.2", str(JOBS / "launch_job.py"), "two-agents",
+           "--rdzv-id=two-agents", "--monitor-interval=0.2", FORKED, str(JOBS / "launch_job.py"), "two-agents",
            str(tmp_path)]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                                cwd=JOBS, start_new_session=True) for _ in range(2)]
@@ -135,7 +135,7 @@ def test_elastic_restart_resumes_from_the_checkpoint_to_the_same_losses(tmp_path
 
     def losses(backend, ckpt, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "--max-restarts=1", script, "--backend", backend, "--ckpt", str(ckpt), *extra]
+               "--max-restarts=1", FORKED, script, "--backend", backend, "--ckpt", str(ckpt), *extra]
         # torch's gloo reference has hung on its way out after its RESULT (seen twice: a rank
         # freeing main()'s objects after destroy_process_group): its losses stand, with a warning
         rc, stdout, stderr = run_or_dump(cmd, 90 if backend == "gloo" else 240, env={**ENV, "MCRDL_COMMS_LOG": "1"},
@@ -166,7 +166,7 @@ def test_two_torchrun_jobs_on_one_host_at_once():
     """MPICH names its shared-memory segments after the job's PMI name: two jobs on a
     host (or one and the leftovers of an aborted one) must not share it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(JOBS / "ops_job.py"), "mpi"]
+           FORKED, str(JOBS / "ops_job.py"), "mpi"]
     jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
                              cwd=JOBS) for _ in range(2)]
     outs = [job.communicate(timeout=400)[0] for job in jobs]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FORKED
 from mcrdl.model import CostModel
 from mcrdl.model.compare import compare, load_log
 from mcrdl.model.config import load_config
@@ -22,7 +23,7 @@ def _logged(tmp_path, workload, *extra):
     out = tmp_path / f"log-{workload}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MCRDL_COMMS_LOG": "1",
            "MCRDL_COMMS_LOG_DIR": str(out)}
-    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "90",
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "90", FORKED,
            str(ROOT / "examples" / "model" / "log_workload.py"), workload, "--steps", str(STEPS),
            "--warmup", "1",
            "--table", str(ROOT / "docs" / "results" / "tuning-2ranks.json"), *extra]

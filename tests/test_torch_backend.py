@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import JOBS, run_job
+from conftest import FORKED, JOBS, run_job
 import mcrdl.integrations.torch_backend as tb
 
 ROOT = Path(__file__).parents[1]
@@ -112,7 +112,7 @@ def test_rank_agreement_and_sub_groups(nprocs):
 def test_plain_init_under_torchrun():
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "--launcher", "torchrun",
                            "--extra=--standalone", "-n", "2", "--timeout", "180",
-                           str(JOBS / "torch_backend_env_job.py")], capture_output=True, text=True,
+                           FORKED, str(JOBS / "torch_backend_env_job.py")], capture_output=True, text=True,
                           timeout=240, cwd=JOBS, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -124,7 +124,7 @@ def test_plain_init_with_env_rendezvous_and_no_launcher():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(JOBS / "torch_backend_env_job.py")], cwd=JOBS,
+    procs = [subprocess.Popen([sys.executable, FORKED, str(JOBS / "torch_backend_env_job.py")], cwd=JOBS,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                    "RANK": str(r), "WORLD_SIZE": "2", "PYTHONUNBUFFERED": "1"})
@@ -144,7 +144,7 @@ def test_plain_init_with_env_rendezvous_and_no_launcher():
 
 def test_example_runs():
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "180",
-                           str(ROOT / "examples" / "torch_backend_ddp.py")], capture_output=True,
+                           FORKED, str(ROOT / "examples" / "torch_backend_ddp.py")], capture_output=True,
                           text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert proc.stdout.count("same as gloo: True") == 2, proc.stdout
@@ -170,7 +170,7 @@ def test_one_word_switch_spawned_with_a_file_store(tmp_path):
     """Ranks spawned by hand (as PyTorch's own test suite does), FileStore rendezvous: MPI
     starts over that store (mcrdl.pmi), beside gloo."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "MPI_LOCAL"))}
-    procs = [subprocess.Popen([sys.executable, str(JOBS / "torch_backend_dropin_job.py"),
+    procs = [subprocess.Popen([sys.executable, FORKED, str(JOBS / "torch_backend_dropin_job.py"),
                                f"file://{tmp_path}/store"], cwd=JOBS, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env={**env, "RANK": str(r), "WORLD_SIZE": "2", "PYTHONUNBUFFERED": "1"})

@@ -1,0 +1,293 @@
+"""Ranks forked from a process that has imported torch already.
+
+Most of a small test job's cost is each rank's ``import torch`` (about 1.4 CPU s).
+The suite starts one server per pytest process (:func:`start`), which imports
+torch, numpy and torch.distributed once; a job's rank command is then
+``python tests/forkserver.py SCRIPT ARGS...``, a stub that imports only the
+standard library. The stub hands the server everything a fresh process would
+have inherited (open descriptors, environment, working directory, arguments);
+the server forks a child, which takes them over and runs ``SCRIPT`` as
+``__main__``, and reports how the child ended; the stub ends the same way
+(exit status, or the same signal). The rank runs under the stub's launcher,
+MPI or not, as a fresh process would: it talks to the launcher over the
+descriptors (MPICH's ``PMI_FD``) and prints to the stub's stdout and stderr.
+
+A signal to the stub (the launcher's SIGTERM, a test's SIGABRT) is passed to the
+rank; when a stub dies (SIGKILL) the server kills its rank, stopped or not. The
+stub runs ``SCRIPT`` in a fresh interpreter instead (``exec``) where no server is
+named (``TEST_FORKSERVER``) or ready, or where a variable that importing torch
+reads differs from the server's (:data:`IMPORT_TIME`). The stub lives exactly as
+long as its rank, so looking for a job's processes by command line finds it.
+"""
+import json
+import os
+import signal
+import socket
+import sys
+
+#: environment variables read while importing torch and numpy, or by their
+#: libraries' loaders: a request that differs in one runs in a fresh process
+IMPORT_TIME = ("LD_", "PYTHON", "TORCH", "PYTORCH", "OMP_", "KMP_", "MKL_", "OPENBLAS", "CUDA", "NCCL",
+               "GOMP", "MALLOC")
+#: ... except those the forked rank applies itself (:func:`become`) and those read after
+#: import: by modules the server does not import (dynamo, inductor), by a process group
+#: (the flight recorder's, NCCL's), and torchrun's per-worker variables
+APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE",
+           "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_FR_", "TORCH_NCCL_", "TORCHELASTIC_", "TORCH_EXTENSIONS_DIR")
+#: what the server imports before it forks
+PRELOADED = ("numpy", "torch", "torch.distributed")
+#: signals the stub passes on to its rank
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGABRT,
+             signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+MAX_FDS = 250  # SCM_RIGHTS' limit per message is 253
+
+
+def _import_env(env):
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and not k.startswith(APPLIED)}
+
+
+def _recv_message(conn, fds=0):
+    """One length-prefixed JSON message (and up to ``fds`` descriptors) from ``conn``."""
+    head, got, *_ = socket.recv_fds(conn, 8, max(fds, 1))
+    if len(head) < 8:
+        raise EOFError("the other side closed the connection")
+    size, body = int.from_bytes(head, "big"), b""
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise EOFError("the other side closed the connection")
+        body += chunk
+    return json.loads(body), got
+
+
+def _send_message(conn, message, fds=()):
+    body = json.dumps(message).encode()
+    socket.send_fds(conn, [len(body).to_bytes(8, "big")], list(fds))
+    conn.sendall(body)
+
+
+# ---------------------------------------------------------------- the stub
+
+def stub(argv):
+    """The rank command: have the server fork a rank that runs ``argv``, end as it ended."""
+    path = os.environ.get("TEST_FORKSERVER")
+    server_env = None
+    if path:
+        try:
+            with open(path + ".env") as f:
+                server_env = json.load(f)
+        except OSError:
+            pass
+    fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+    fds = [fd for fd in fds if _is_open(fd)]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if server_env is None or _import_env(os.environ) != server_env or len(fds) > MAX_FDS:
+            raise ConnectionRefusedError
+        conn.connect(path)
+    except OSError:  # no server (yet, or any more), or one this script must not be forked from
+        conn.close()
+        os.execv(sys.executable, [sys.executable, *argv])
+    lifeline_r, lifeline_w = os.pipe()  # the write end closes when this process dies: the server's sign
+    _send_message(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds,
+                         "umask": _umask()}, [*fds, lifeline_r])
+    os.close(lifeline_r)
+    (started, _) = _recv_message(conn)
+    rank = started["pid"]
+
+    def forward(signum, _frame):
+        try:
+            os.kill(rank, signum)
+        except ProcessLookupError:  # it ended meanwhile: the server says how
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    ended, _ = _recv_message(conn)
+    status = ended["status"]
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+def _is_open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# ---------------------------------------------------------------- the server
+
+def serve(path):
+    """Import torch, then fork a rank per request on ``path``; returns, in a child,
+    the request the child is to run (and never in the server)."""
+    import selectors
+
+    import importlib
+
+    for module in PRELOADED:
+        importlib.import_module(module)
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    with open(path + ".env.tmp", "w") as f:
+        json.dump(_import_env(os.environ), f)
+    os.replace(path + ".env.tmp", path + ".env")  # the stubs' sign that the server is ready
+    ranks = {}  # pid -> (the connection of its stub, the stub's lifeline)
+    waiting = selectors.DefaultSelector()
+    waiting.register(listener, selectors.EVENT_READ)
+    while True:
+        for key, _ in waiting.select(timeout=0.02):
+            if key.fileobj is not listener:  # a stub died (the write end of its lifeline closed)
+                os.kill(key.data, signal.SIGKILL)  # (stopped or not) its rank goes with it
+                waiting.unregister(key.fileobj)
+                continue
+            conn, _ = listener.accept()
+            try:
+                request, fds = _recv_message(conn, MAX_FDS + 1)
+            except (EOFError, OSError, ValueError):
+                conn.close()
+                continue
+            *inherited, lifeline = fds
+            pid = os.fork()
+            if pid == 0:
+                waiting.close()
+                listener.close()
+                for other, other_lifeline in ranks.values():
+                    other.close()
+                    os.close(other_lifeline)
+                conn.close()
+                os.close(lifeline)
+                return request, inherited
+            for fd in inherited:
+                os.close(fd)
+            ranks[pid] = conn, lifeline
+            waiting.register(lifeline, selectors.EVENT_READ, pid)
+            _send_message(conn, {"pid": pid})
+        while ranks:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn, lifeline = ranks.pop(pid)
+            if lifeline in waiting.get_map():
+                waiting.unregister(lifeline)
+            os.close(lifeline)
+            try:
+                _send_message(conn, {"status": status})
+            except OSError:
+                pass
+            conn.close()
+
+
+def become(request, fds):
+    """In a forked child: take over the stub's descriptors, environment, working
+    directory and arguments, and return the script to run as ``__main__``."""
+    import faulthandler
+    import io
+    import random
+
+    # out of the way of the numbers the descriptors get back, then onto them
+    high = [_dup_above(fd, 1024) for fd in fds]
+    keep = set(request["fds"])
+    for fd, number in zip(high, request["fds"]):
+        os.dup2(fd, number)
+        os.close(fd)
+    for fd in (int(n) for n in os.listdir("/proc/self/fd")):
+        if fd not in keep and _is_open(fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    os.setsid()
+    os.umask(request["umask"])
+    os.chdir(request["cwd"])
+    old_path = os.environ.get("PYTHONPATH", "")
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script, *args = request["argv"]
+    sys.argv = [script, *args]
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra,
+                   *[p for p in sys.path[1:] if p not in old_path.split(os.pathsep)]]
+    sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    def stream(fd, mode, **how):  # as the interpreter makes sys.stdin/stdout/stderr (None where closed)
+        return io.TextIOWrapper(io.FileIO(fd, mode, closefd=False), **how) if fd in keep else None
+
+    sys.stdin = sys.__stdin__ = stream(0, "r")
+    sys.stdout = sys.__stdout__ = stream(1, "w", write_through=unbuffered, line_buffering=os.isatty(1))
+    sys.stderr = sys.__stderr__ = stream(2, "w", write_through=True, errors="backslashreplace")
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(all_threads=True)
+    else:
+        faulthandler.disable()
+    random.seed()
+    import numpy
+    numpy.random.seed()
+    return script
+
+
+def _dup_above(fd, lowest):
+    """``fd`` moved to a number at least ``lowest`` (closed on exec)."""
+    import fcntl
+    new = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
+    os.close(fd)
+    return new
+
+
+_server = {}  # this process's server: "proc"
+
+
+def start():
+    """Start this process's server; returns the path of its socket, for the stubs'
+    ``TEST_FORKSERVER``. Until the server has imported torch, stubs run their
+    scripts fresh."""
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="forkserver_")
+    where = os.path.join(directory, "sock")
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", where], stdin=subprocess.DEVNULL)
+    atexit.register(lambda: (proc.kill(), proc.wait(), shutil.rmtree(directory, ignore_errors=True)))
+    _server["proc"] = proc
+    return where
+
+
+def cpu_seconds():
+    """CPU seconds of this process's server and of the ranks it forked and waited for."""
+    if not _server:
+        return 0.0
+    try:
+        with open(f"/proc/{_server['proc'].pid}/stat") as f:
+            utime, stime, cutime, cstime = f.read().rsplit(")", 1)[1].split()[11:15]
+    except OSError:
+        return 0.0
+    return (int(utime) + int(stime) + int(cutime) + int(cstime)) / os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pytest's Ctrl-C is for pytest
+        forked = serve(sys.argv[2])
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        import runpy
+        runpy.run_path(become(*forked), run_name="__main__")
+    else:
+        stub(sys.argv[1:])
