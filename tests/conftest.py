@@ -2,6 +2,7 @@
 import json
 import os
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -126,6 +127,13 @@ class JobOutput(str):
                                        if (name, r) not in checked]
         if bad:
             pytest.fail("\n".join(bad) + "\n--- job output (tail) ---\n" + self[-4000:], pytrace=False)
+
+
+@pytest.fixture
+def forked_ranks(monkeypatch):
+    """Ranks that mcrdl launches itself (bench, tune, demo) forked from the fork server:
+    conftest's ``FORKED`` as ``MCRDL_RANK_PYTHON``."""
+    monkeypatch.setenv("MCRDL_RANK_PYTHON", shlex.join([sys.executable, FORKED]))
 
 
 def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0, launcher="mpiexec"):

@@ -3,21 +3,23 @@
 Most of a small test job's cost is each rank's ``import torch`` (about 1.4 CPU s).
 The suite starts one server per pytest process (:func:`start`), which imports
 torch, numpy and torch.distributed once; a job's rank command is then
-``python tests/forkserver.py SCRIPT ARGS...``, a stub that imports only the
-standard library. The stub hands the server everything a fresh process would
-have inherited (open descriptors, environment, working directory, arguments);
-the server forks a child, which takes them over and runs ``SCRIPT`` as
-``__main__``, and reports how the child ended; the stub ends the same way
-(exit status, or the same signal). The rank runs under the stub's launcher,
-MPI or not, as a fresh process would: it talks to the launcher over the
-descriptors (MPICH's ``PMI_FD``) and prints to the stub's stdout and stderr.
+``python tests/forkserver.py SCRIPT ARGS...`` (or ``-m MODULE ARGS...``, with
+``python tests/forkserver.py`` as ``MCRDL_RANK_PYTHON``), a stub that imports
+only the standard library. The stub hands the server everything a fresh process
+would have inherited (open descriptors, environment, working directory,
+arguments, CPU binding); the server forks a child, which takes them over and runs ``SCRIPT``
+as ``__main__``, and reports how the child ended; the stub ends the same way
+(exit status, or the same signal). The rank runs under the stub's launcher, MPI
+or not, as a fresh process would: it talks to the launcher over the descriptors
+(MPICH's ``PMI_FD``) and prints to the stub's stdout and stderr.
 
 A signal to the stub (the launcher's SIGTERM, a test's SIGABRT) is passed to the
 rank; when a stub dies (SIGKILL) the server kills its rank, stopped or not. The
-stub runs ``SCRIPT`` in a fresh interpreter instead (``exec``) where no server is
-named (``TEST_FORKSERVER``) or ready, or where a variable that importing torch
-reads differs from the server's (:data:`IMPORT_TIME`). The stub lives exactly as
-long as its rank, so looking for a job's processes by command line finds it.
+stub lives exactly as long as its rank, so looking for a job's processes by
+command line finds it. The stub runs ``SCRIPT`` in a fresh interpreter instead
+(``exec``) where no server is named (``TEST_FORKSERVER``) or ready, where a
+variable that importing torch reads differs from the server's
+(:data:`IMPORT_TIME`), or where it runs in another namespace or control group.
 """
 import json
 import os
@@ -44,6 +46,14 @@ MAX_FDS = 250  # SCM_RIGHTS' limit per message is 253
 
 def _import_env(env):
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME) and not k.startswith(APPLIED)}
+
+
+def _namespaces():
+    """This process's namespaces and control group: a rank in another (a host of
+    tests/multihost/netns.py, a Slurm step's) must not be forked from the server."""
+    found = {f"ns:{name}": os.readlink(f"/proc/self/ns/{name}") for name in sorted(os.listdir("/proc/self/ns"))}
+    with open("/proc/self/cgroup") as f:
+        return {**found, "cgroup": f.read()}
 
 
 def _recv_message(conn, fds=0):
@@ -82,7 +92,7 @@ def stub(argv):
     fds = [fd for fd in fds if _is_open(fd)]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if server_env is None or _import_env(os.environ) != server_env or len(fds) > MAX_FDS:
+        if server_env != {**_import_env(os.environ), **_namespaces()} or len(fds) > MAX_FDS:
             raise ConnectionRefusedError
         conn.connect(path)
     except OSError:  # no server (yet, or any more), or one this script must not be forked from
@@ -90,7 +100,7 @@ def stub(argv):
         os.execv(sys.executable, [sys.executable, *argv])
     lifeline_r, lifeline_w = os.pipe()  # the write end closes when this process dies: the server's sign
     _send_message(conn, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "fds": fds,
-                         "umask": _umask()}, [*fds, lifeline_r])
+                         "umask": _umask(), "cpus": sorted(os.sched_getaffinity(0))}, [*fds, lifeline_r])
     os.close(lifeline_r)
     (started, _) = _recv_message(conn)
     rank = started["pid"]
@@ -143,7 +153,7 @@ def serve(path):
     listener.bind(path)
     listener.listen(64)
     with open(path + ".env.tmp", "w") as f:
-        json.dump(_import_env(os.environ), f)
+        json.dump({**_import_env(os.environ), **_namespaces()}, f)
     os.replace(path + ".env.tmp", path + ".env")  # the stubs' sign that the server is ready
     ranks = {}  # pid -> (the connection of its stub, the stub's lifeline)
     waiting = selectors.DefaultSelector()
@@ -196,7 +206,8 @@ def serve(path):
 
 def become(request, fds):
     """In a forked child: take over the stub's descriptors, environment, working
-    directory and arguments, and return the script to run as ``__main__``."""
+    directory and arguments; returns what to run as ``__main__``: ``[script, args...]``
+    or ``["-m", module, args...]``."""
     import faulthandler
     import io
     import random
@@ -215,15 +226,16 @@ def become(request, fds):
                 pass
     os.setsid()
     os.umask(request["umask"])
+    os.sched_setaffinity(0, request["cpus"])  # a launcher's binding (mpiexec -bind-to core)
     os.chdir(request["cwd"])
     old_path = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(request["env"])
-    script, *args = request["argv"]
-    sys.argv = [script, *args]
+    argv = request["argv"]
+    sys.argv = argv[1:] if argv[0] == "-m" else argv  # (runpy puts the module's path first)
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *extra,
-                   *[p for p in sys.path[1:] if p not in old_path.split(os.pathsep)]]
+    first = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first, *extra, *[p for p in sys.path[1:] if p not in old_path.split(os.pathsep)]]
     sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
     unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
     def stream(fd, mode, **how):  # as the interpreter makes sys.stdin/stdout/stderr (None where closed)
@@ -239,7 +251,7 @@ def become(request, fds):
     random.seed()
     import numpy
     numpy.random.seed()
-    return script
+    return argv
 
 
 def _dup_above(fd, lowest):
@@ -288,6 +300,10 @@ if __name__ == "__main__":
         forked = serve(sys.argv[2])
         signal.signal(signal.SIGINT, signal.default_int_handler)
         import runpy
-        runpy.run_path(become(*forked), run_name="__main__")
+        argv = become(*forked)
+        if argv[0] == "-m":
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
     else:
         stub(sys.argv[1:])

@@ -21,6 +21,8 @@ from mcrdl.tuning import TuningTable
 
 from conftest import JOBS, run_job
 
+pytestmark = pytest.mark.usefixtures("forked_ranks")  # (conftest)
+
 ROOT = Path(__file__).parents[1]
 OPS = ["all_reduce", "all_to_all"]
 VARIANTS = ["mpi", "gloo", "mcrdl", "raw-mpi", "raw-gloo"]

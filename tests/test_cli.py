@@ -1,6 +1,7 @@
 """Launcher command lines and the CLI (run, info, explain) for real."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,17 @@ def test_mpiexec_command_uses_the_wheels_mpiexec_and_this_python():
     assert cmd[9:11] == ["-hosts", "a:2,b"]
     assert cmd[11:] == [sys.executable, "-m", "mcrdl.rank_env", sys.executable, "train.py", "--lr", "1"]
     assert launcher.build_command(2, ["-m", "pkg.mod"])[-3:] == [sys.executable, "-m", "pkg.mod"]
+
+
+def test_rank_python_wraps_python_programs_only(monkeypatch):
+    """MCRDL_RANK_PYTHON: ``x.py`` and ``-m mod`` run under it (split as a shell would),
+    under every launcher; another program runs as it is."""
+    monkeypatch.setenv("MCRDL_RANK_PYTHON", "nsys profile '/opt/my python'")
+    wrapped = ["nsys", "profile", "/opt/my python"]
+    assert launcher.build_command(2, ["x.py", "a"])[-5:] == [*wrapped, "x.py", "a"]
+    assert launcher.build_command(2, ["-m", "pkg"], "srun")[-5:] == [*wrapped, "-m", "pkg"]
+    assert launcher.build_command(2, ["x.py"], "torchrun")[-5:] == ["--no-python", *wrapped, "x.py"]
+    assert launcher.build_command(2, ["true"])[-1] == shutil.which("true")
 
 
 def test_open_mpis_mpiexec_gets_its_own_options(tmp_path):

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import cached_files, check_built_once_and_reused, compiled_status
+from conftest import FORKED, cached_files, check_built_once_and_reused, compiled_status
 
 
 def test_hot_path_builds_into_an_empty_cache_and_is_reused(tmp_path):
@@ -31,7 +31,7 @@ def test_wait_policy(nprocs, policy, expected, bind):
     if len(os.sched_getaffinity(0)) != 2 and policy == "auto":
         pytest.skip("auto's choice is checked on a 2-core machine")
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--timeout", "120",
-                           "--bind", bind, sys.executable, "-m", "mcrdl.cli", "info"], capture_output=True, text=True,
+                           "--bind", bind, FORKED, "-m", "mcrdl.cli", "info"], capture_output=True, text=True,
                           timeout=180, env={**os.environ, "MCRDL_WAIT": policy})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     plain = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)  # Open MPI's mpiexec gives ranks a terminal: rich colours

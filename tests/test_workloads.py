@@ -17,6 +17,8 @@ import pytest
 
 from conftest import run_job
 
+pytestmark = pytest.mark.usefixtures("forked_ranks")  # (conftest)
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "workloads"
 

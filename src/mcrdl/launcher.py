@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -34,6 +35,8 @@ import subprocess
 import sys
 import time
 from typing import Optional, Sequence
+
+from . import settings
 
 LAUNCHERS = ("mpiexec", "srun", "torchrun")
 BINDINGS = ("none", "core")
@@ -76,11 +79,13 @@ def mpiexec_family(path: str) -> str:
 
 
 def program(argv: Sequence[str]) -> list[str]:
-    """The per-rank command: ``x.py`` and ``-m mod`` run under this Python."""
+    """The per-rank command: ``x.py`` and ``-m mod`` run under this Python, or
+    under ``MCRDL_RANK_PYTHON``."""
     if not argv:
         raise ValueError("no program to run")
     if argv[0] == "-m" or argv[0].endswith(".py"):
-        return [sys.executable, *argv]
+        python = shlex.split(settings.get("MCRDL_RANK_PYTHON") or "")
+        return [*(python or [sys.executable]), *argv]
     exe = shutil.which(argv[0]) or shutil.which(argv[0], path=os.path.dirname(sys.executable))
     if exe is None:
         raise FileNotFoundError(f"program {argv[0]!r} not found")

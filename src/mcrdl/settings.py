@@ -62,6 +62,10 @@ SETTINGS = {s.name: s for s in (
             "runs as an all-to-all and a local reduction (default: a band on MPICH)", accepts="LO:HI or off"),
     Setting("MCRDL_WAIT", "text", "auto", "how waits use the CPU: busy-poll, give the CPU up, or spin when the "
             "host's ranks fit its cores", accepts="spin, yield or auto"),
+    # launching
+    Setting("MCRDL_RANK_PYTHON", "text", None, "the command `mcrdl run` (and bench, tune, demo) runs each rank's "
+            "Python program (`x.py`, `-m mod`) under, split as a shell would: an interpreter, or a wrapper "
+            "ending in one, e.g. a profiler's (default: the Python running mcrdl)", accepts="a command"),
     # rendezvous, liveness, debugging
     Setting("MCRDL_MASTER_ADDR", "text", None, "the address rank 0's store and watchdog bind and peers dial "
             "(default: loopback on one host, else chosen from the network)", accepts="an address"),
