@@ -2,7 +2,7 @@
 
 Most of a small test job's cost is each rank's ``import torch`` (about 1.4 CPU s).
 The suite starts one server per pytest process (:func:`start`), which imports
-torch, numpy and torch.distributed once; a job's rank command is then
+torch, numpy, torch.distributed and DTensor once; a job's rank command is then
 ``python tests/forkserver.py SCRIPT ARGS...`` (or ``-m MODULE ARGS...``, with
 ``python tests/forkserver.py`` as ``MCRDL_RANK_PYTHON``), a stub that imports
 only the standard library. The stub hands the server everything a fresh process
@@ -37,7 +37,7 @@ IMPORT_TIME = ("LD_", "PYTHON", "TORCH", "PYTORCH", "OMP_", "KMP_", "MKL_", "OPE
 APPLIED = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER", "PYTHONDONTWRITEBYTECODE",
            "TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_FR_", "TORCH_NCCL_", "TORCHELASTIC_", "TORCH_EXTENSIONS_DIR")
 #: what the server imports before it forks
-PRELOADED = ("numpy", "torch", "torch.distributed")
+PRELOADED = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor")
 #: signals the stub passes on to its rank
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGABRT,
              signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)

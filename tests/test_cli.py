@@ -10,13 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from conftest import FORKED
 from mcrdl import launcher
 
 ROOT = Path(__file__).parents[1]
 
 
 def mcrdl_cli(*args, timeout=120, env=None):
-    return subprocess.run([sys.executable, "-m", "mcrdl.cli", *args], capture_output=True,
+    """``mcrdl ARGS``; forked from the fork server (it imports torch) unless it is `mcrdl run`."""
+    forked = [FORKED] if args[0] != "run" else []
+    return subprocess.run([sys.executable, *forked, "-m", "mcrdl.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
