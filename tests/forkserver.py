@@ -1,17 +1,17 @@
 """Ranks forked from a process that has imported torch already.
 
 Most of a small test job's cost is each rank's ``import torch`` (about 1.4 CPU s).
-The suite starts one server per pytest process (:func:`start`), which imports
-torch, numpy, torch.distributed and DTensor once; a job's rank command is then
-``python tests/forkserver.py SCRIPT ARGS...`` (or ``-m MODULE ARGS...``, with
-``python tests/forkserver.py`` as ``MCRDL_RANK_PYTHON``), a stub that imports
-only the standard library. The stub hands the server everything a fresh process
-would have inherited (open descriptors, environment, working directory,
-arguments, CPU binding); the server forks a child, which takes them over and runs ``SCRIPT``
-as ``__main__``, and reports how the child ended; the stub ends the same way
-(exit status, or the same signal). The rank runs under the stub's launcher, MPI
-or not, as a fresh process would: it talks to the launcher over the descriptors
-(MPICH's ``PMI_FD``) and prints to the stub's stdout and stderr.
+The suite starts servers per pytest process (:func:`start`; :data:`SERVERS`), which
+import torch, numpy, torch.distributed and DTensor once; a job's rank command is
+then ``python tests/forkserver.py SCRIPT ARGS...`` (or ``-m MODULE ARGS...``, with
+``python tests/forkserver.py`` as ``MCRDL_RANK_PYTHON``), a stub that imports only
+the standard library. The stub hands the server everything a fresh process would
+have inherited (open descriptors, environment, working directory, arguments, CPU
+binding); the server forks a child, which takes them over and runs ``SCRIPT`` as
+``__main__``, and reports how the child ended; the stub ends the same way (exit
+status, or the same signal). The rank runs under the stub's launcher, MPI or not, as
+a fresh process would: it talks to the launcher over the descriptors (MPICH's
+``PMI_FD``) and prints to the stub's stdout and stderr.
 
 A signal to the stub (the launcher's SIGTERM, a test's SIGABRT) is passed to the
 rank; when a stub dies (SIGKILL) the server kills its rank, stopped or not. The
@@ -20,6 +20,9 @@ command line finds it. The stub runs ``SCRIPT`` in a fresh interpreter instead
 (``exec``) where no server is named (``TEST_FORKSERVER``) or ready, where a
 variable that importing torch reads differs from the server's
 (:data:`IMPORT_TIME`), or where it runs in another namespace or control group.
+What fresh processes do not share, forked ranks do not either: ``random`` and
+numpy's global generator are seeded anew, and the ranks of a job come from different
+servers, so each hashes strings with a seed of its own.
 """
 import json
 import os
@@ -42,6 +45,10 @@ PRELOADED = ("numpy", "torch", "torch.distributed", "torch.distributed.tensor")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGABRT,
              signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 MAX_FDS = 250  # SCM_RIGHTS' limit per message is 253
+#: servers per pytest process: rank r of a job is forked from server r % SERVERS, so
+#: that, as fresh processes, a job's ranks do not share Python's hash seed (the order
+#: of a set of strings)
+SERVERS = 4
 
 
 def _import_env(env):
@@ -83,6 +90,8 @@ def stub(argv):
     path = os.environ.get("TEST_FORKSERVER")
     server_env = None
     if path:
+        rank = os.environ.get("RANK", os.environ.get("PMI_RANK", "0"))
+        path = f"{path}.{int(rank) % SERVERS if rank.isdigit() else 0}"
         try:
             with open(path + ".env") as f:
                 server_env = json.load(f)
@@ -142,9 +151,8 @@ def _umask():
 def serve(path):
     """Import torch, then fork a rank per request on ``path``; returns, in a child,
     the request the child is to run (and never in the server)."""
-    import selectors
-
     import importlib
+    import selectors
 
     for module in PRELOADED:
         importlib.import_module(module)
@@ -156,10 +164,18 @@ def serve(path):
         json.dump({**_import_env(os.environ), **_namespaces()}, f)
     os.replace(path + ".env.tmp", path + ".env")  # the stubs' sign that the server is ready
     ranks = {}  # pid -> (the connection of its stub, the stub's lifeline)
+    ended_r, ended_w = os.pipe()  # a byte per signal: a rank ended (SIGCHLD) and wakes the loop at once
+    os.set_blocking(ended_w, False)
+    signal.set_wakeup_fd(ended_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda _s, _f: None)
     waiting = selectors.DefaultSelector()
     waiting.register(listener, selectors.EVENT_READ)
+    waiting.register(ended_r, selectors.EVENT_READ)
     while True:
-        for key, _ in waiting.select(timeout=0.02):
+        for key, _ in waiting.select(timeout=1):
+            if key.fileobj == ended_r:
+                os.read(ended_r, 4096)
+                continue
             if key.fileobj is not listener:  # a stub died (the write end of its lifeline closed)
                 os.kill(key.data, signal.SIGKILL)  # (stopped or not) its rank goes with it
                 waiting.unregister(key.fileobj)
@@ -173,6 +189,10 @@ def serve(path):
             *inherited, lifeline = fds
             pid = os.fork()
             if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(ended_r)
+                os.close(ended_w)
                 waiting.close()
                 listener.close()
                 for other, other_lifeline in ranks.values():
@@ -262,13 +282,13 @@ def _dup_above(fd, lowest):
     return new
 
 
-_server = {}  # this process's server: "proc"
+_servers = []  # this process's servers
 
 
 def start():
-    """Start this process's server; returns the path of its socket, for the stubs'
-    ``TEST_FORKSERVER``. Until the server has imported torch, stubs run their
-    scripts fresh."""
+    """Start this process's servers; returns the stubs' ``TEST_FORKSERVER``, the path
+    their sockets (``.0``, ``.1``...) start with. Until a server has imported torch,
+    its stubs run their scripts fresh."""
     import atexit
     import shutil
     import subprocess
@@ -276,22 +296,23 @@ def start():
 
     directory = tempfile.mkdtemp(prefix="forkserver_")
     where = os.path.join(directory, "sock")
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", where], stdin=subprocess.DEVNULL)
-    atexit.register(lambda: (proc.kill(), proc.wait(), shutil.rmtree(directory, ignore_errors=True)))
-    _server["proc"] = proc
+    _servers.extend(subprocess.Popen([sys.executable, __file__, "--serve", f"{where}.{i}"],
+                                     stdin=subprocess.DEVNULL) for i in range(SERVERS))
+    atexit.register(lambda: ([(p.kill(), p.wait()) for p in _servers],
+                             shutil.rmtree(directory, ignore_errors=True)))
     return where
 
 
 def cpu_seconds():
-    """CPU seconds of this process's server and of the ranks it forked and waited for."""
-    if not _server:
-        return 0.0
-    try:
-        with open(f"/proc/{_server['proc'].pid}/stat") as f:
-            utime, stime, cutime, cstime = f.read().rsplit(")", 1)[1].split()[11:15]
-    except OSError:
-        return 0.0
-    return (int(utime) + int(stime) + int(cutime) + int(cstime)) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of this process's servers and of the ranks they forked and waited for."""
+    total = 0
+    for proc in _servers:
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                total += sum(map(int, f.read().rsplit(")", 1)[1].split()[11:15]))  # utime stime cutime cstime
+        except OSError:
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

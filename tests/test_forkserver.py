@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import FORKED
+from forkserver import SERVERS
 
 pytestmark = pytest.mark.skipif(not os.environ.get("TEST_FORKSERVER"), reason="TEST_FRESH_RANKS is set")
 
@@ -36,8 +37,8 @@ def _stub(script, *args, env=None, **popen):
 
 def _wait_ready():
     deadline = time.monotonic() + 120
-    while not os.path.exists(os.environ["TEST_FORKSERVER"] + ".env"):
-        assert time.monotonic() < deadline, "the fork server did not start"
+    while not all(os.path.exists(f"{os.environ['TEST_FORKSERVER']}.{i}.env") for i in range(SERVERS)):
+        assert time.monotonic() < deadline, "the fork servers did not start"
         time.sleep(0.05)
 
 
@@ -132,3 +133,19 @@ def test_a_variable_torch_reads_at_import_means_a_fresh_process(tmp_path):
                           ({"OMP_NUM_THREADS": "2"}, "False False"), ({"TORCHELASTIC_RUN_ID": "x"}, "True True")):
         proc = _stub(script, env=env, stdout=subprocess.PIPE, text=True)
         assert proc.communicate(timeout=120)[0].strip() == expected, env
+
+
+def test_the_ranks_of_a_job_hash_strings_differently(tmp_path):
+    """Rank r is forked from server r % SERVERS: like fresh processes, a job's ranks do not
+    share Python's hash seed, so a set of names iterated in one order on every rank
+    (a collective order that only looks agreed) fails here as it would in a real job."""
+    _wait_ready()
+    script = tmp_path / "hash.py"
+    script.write_text("import os\nprint(os.getpid() != int(os.environ['STUB']), hash('all_reduce'))\n")
+    seen = []
+    for rank in range(SERVERS):
+        proc = _stub(script, env={"RANK": str(rank)}, stdout=subprocess.PIPE, text=True)
+        forked, value = proc.communicate(timeout=120)[0].split()
+        assert forked == "True"
+        seen.append(value)
+    assert len(set(seen)) == SERVERS, seen
