@@ -1,4 +1,5 @@
-"""Helpers: launch real multi-rank jobs through `mcrdl run` (MPICH's mpiexec)."""
+"""Helpers: launch real multi-rank jobs through `mcrdl run` (MPICH's mpiexec), their ranks
+forked from fork servers that imported torch once (tests/forkserver.py)."""
 import json
 import os
 import resource
@@ -15,8 +16,8 @@ import pytest
 import forkserver
 
 JOBS = Path(__file__).parent / "jobs"
-#: a rank command's first word, before its script: the rank is forked from this pytest
-#: process's fork server, which has imported torch already (tests/forkserver.py)
+#: a rank command's first word, before its script: the rank is forked from one of this
+#: pytest process's fork servers, which have imported torch already (tests/forkserver.py)
 FORKED = forkserver.__file__
 # one compute thread per rank in every job the tests start, as torchrun sets: ranks
 # share this machine's cores, and threads beyond them only queue
@@ -30,7 +31,7 @@ KINDS = {"test_fuzz": "unit", "test_order_checks": "unit", "test_selector": "uni
 
 
 def pytest_sessionstart(session):
-    """The fork server of this pytest process (tests/forkserver.py; not in pytest-xdist's
+    """The fork servers of this pytest process (tests/forkserver.py; not in pytest-xdist's
     controller, which runs no test; not with ``TEST_FRESH_RANKS=1``, where every rank
     starts fresh)."""
     controller = getattr(session.config.option, "numprocesses", None) and not hasattr(session.config,
@@ -52,7 +53,7 @@ _CPU_AT_START = pytest.StashKey[float]()
 def _cpu_seconds():
     """CPU seconds of this pytest process, of the processes it has waited for (its
     jobs' launchers wait for their ranks; a process nobody waited for is not counted)
-    and of the ranks its fork server forked."""
+    and of the ranks its fork servers forked."""
     own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime + forkserver.cpu_seconds()
 
@@ -131,7 +132,7 @@ class JobOutput(str):
 
 @pytest.fixture
 def forked_ranks(monkeypatch):
-    """Ranks that mcrdl launches itself (bench, tune, demo) forked from the fork server:
+    """Ranks that mcrdl launches itself (bench, tune, demo) forked from the fork servers:
     conftest's ``FORKED`` as ``MCRDL_RANK_PYTHON``."""
     monkeypatch.setenv("MCRDL_RANK_PYTHON", shlex.join([sys.executable, FORKED]))
 
@@ -150,7 +151,7 @@ def run_job(nprocs, script, *args, timeout=300, env=None, expect_rc=0, launcher=
 
 def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec"):
     """:func:`run_job`'s output and the job's exit status (``launcher``: mcrdl run's).
-    Its ranks are forked from the session's fork server (tests/forkserver.py)."""
+    Its ranks are forked from the session's fork servers (tests/forkserver.py)."""
     cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", str(nprocs), "--launcher", launcher,
            "--timeout", str(timeout), FORKED, str(JOBS / script), *map(str, args)]
     with tempfile.TemporaryDirectory(prefix="verdicts_") as verdicts:
