@@ -150,7 +150,7 @@ def _umask():
 
 def serve(path):
     """Import torch, then fork a rank per request on ``path``; returns, in a child,
-    the request the child is to run (and never in the server)."""
+    the request the child is to run. The server exits once its pytest is gone."""
     import importlib
     import selectors
 
@@ -171,7 +171,8 @@ def serve(path):
     waiting = selectors.DefaultSelector()
     waiting.register(listener, selectors.EVENT_READ)
     waiting.register(ended_r, selectors.EVENT_READ)
-    while True:
+    pytest = os.getppid()
+    while os.getppid() == pytest:  # a server outlives no pytest, not even a killed one
         for key, _ in waiting.select(timeout=1):
             if key.fileobj == ended_r:
                 os.read(ended_r, 4096)
@@ -222,6 +223,7 @@ def serve(path):
             except OSError:
                 pass
             conn.close()
+    sys.exit(0)
 
 
 def become(request, fds):
