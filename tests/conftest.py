@@ -201,6 +201,15 @@ def signal_all(pids, signum):
             pass
 
 
+def running(pid):
+    """Is ``pid`` a live process (a zombie is not)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def read_verdicts(directory):
     """Every verdict filed under ``directory`` (tests/jobs/verdicts.py), rank by rank."""
     return [json.loads(line) for path in sorted(Path(directory).glob("rank*.jsonl"))

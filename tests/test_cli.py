@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FORKED
+from conftest import FORKED, running
 from mcrdl import launcher
 
 ROOT = Path(__file__).parents[1]
@@ -196,15 +196,6 @@ def test_run_propagates_failure_and_kills_on_timeout(tmp_path):
     assert proc.returncode == 124 and "killed after" in proc.stderr
 
 
-def _running(pid: int) -> bool:
-    """Is ``pid`` a live process (a zombie is not)?"""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def test_ranks_the_launcher_leaves_behind_do_not_outlive_mcrdl_run(tmp_path):
     """A launcher that exits before its ranks (mpiexec on Ctrl-C) orphans them, and
     ranks in sessions of their own (MPICH's proxy starts them so) are out of reach
@@ -219,9 +210,9 @@ def test_ranks_the_launcher_leaves_behind_do_not_outlive_mcrdl_run(tmp_path):
                           cwd=ROOT, timeout=60).returncode
     pid = int(pidfile.read_text())
     try:
-        assert code == 0 and not _running(pid), "the orphaned rank outlived mcrdl run"
+        assert code == 0 and not running(pid), "the orphaned rank outlived mcrdl run"
     finally:
-        if _running(pid):
+        if running(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -256,7 +247,7 @@ def test_stopping_mcrdl_run_ends_every_rank(tmp_path, signum, mode, backend, how
     assert proc.returncode == 128 + signum, (out, err[-3000:])
     assert f"stopped by {signal.Signals(signum).name}" in err
     assert took < grace + 5, f"the job took {took:.1f} s to end"
-    assert not [p for p in pids if _running(p)], "a rank outlived mcrdl run"
+    assert not [p for p in pids if running(p)], "a rank outlived mcrdl run"
 
 
 def test_torchrun_launch_has_mpi_too():

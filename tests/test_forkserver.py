@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import FORKED
+from conftest import FORKED, running
 from forkserver import SERVERS
 
 pytestmark = pytest.mark.skipif(not os.environ.get("TEST_FORKSERVER"), reason="TEST_FRESH_RANKS is set")
@@ -112,17 +112,9 @@ def test_signals_reach_the_rank_and_a_killed_stub_takes_it_along(tmp_path):
         if how == "abort":
             assert proc.returncode == -signal.SIGABRT and "wait.py" in err and " in stub" not in err, err
         deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{rank}") and _state(rank) not in ("Z", "X"):
+        while running(rank):
             assert time.monotonic() < deadline, f"rank {rank} outlived its stub ({how})"
             time.sleep(0.05)
-
-
-def _state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
 
 
 def test_a_variable_torch_reads_at_import_means_a_fresh_process(tmp_path):
