@@ -33,11 +33,15 @@ KINDS = {"test_fuzz": "unit", "test_order_checks": "unit", "test_selector": "uni
 def pytest_sessionstart(session):
     """The fork servers of this pytest process (tests/forkserver.py; not in pytest-xdist's
     controller, which runs no test; not with ``TEST_FRESH_RANKS=1``, where every rank
-    starts fresh)."""
+    starts fresh). In a pytest-xdist worker the jobs' waits yield (``MCRDL_WAIT``
+    unless set): another worker's job shares the cores, which ``auto`` does not see (it
+    counts one job's ranks), and ranks that spin while they wait starve that job's."""
     controller = getattr(session.config.option, "numprocesses", None) and not hasattr(session.config,
                                                                                          "workerinput")
     if not controller and not os.environ.get("TEST_FRESH_RANKS"):
         os.environ["TEST_FORKSERVER"] = forkserver.start()
+    if hasattr(session.config, "workerinput"):
+        os.environ.setdefault("MCRDL_WAIT", "yield")
 
 
 def pytest_collection_modifyitems(items):

@@ -121,8 +121,8 @@ def test_backend_live_on_some_ranks_is_left_out_everywhere():
 
 
 @pytest.mark.parametrize("nprocs,args,env,launcher", [
-    (2, (), {}, "mpiexec"), (4, ("--sizes", "0,1,7,16384,262144"), {}, "mpiexec"),
-    (2, (), {"MCRDL_NATIVE": "0"}, "mpiexec"), (2, ("--sizes", "0,1,7,16384"), {}, "torchrun")],
+    (2, (), {"MCRDL_WAIT": "spin"}, "mpiexec"), (4, ("--sizes", "0,1,7,16384,262144"), {}, "mpiexec"),
+    (2, (), {"MCRDL_NATIVE": "0", "MCRDL_WAIT": "spin"}, "mpiexec"), (2, ("--sizes", "0,1,7,16384"), {}, "torchrun")],
     ids=["2-ranks-to-4MiB", "4-ranks-to-1MiB", "2-ranks-pure-python", "torchrun-2-ranks-to-64KiB"])
 def test_every_op_through_every_driver_again_and_again(nprocs, args, env, launcher):
     """Each op, called three times with fresh inputs through the API's driver
@@ -130,6 +130,8 @@ def test_every_op_through_every_driver_again_and_again(nprocs, args, env, launch
     called from C), the Python driver and the general path, x dtypes x sizes x
     blocking/async on MPI and gloo: every result equals its local reference, so a
     plan never serves a stale or misplaced buffer (#39); under mcrdl run's mpiexec and
-    under torchrun (MPI started over torch's store) alike."""
+    under torchrun (MPI started over torch's store) alike. The 2-rank mpiexec cases
+    wait by spinning, the default where each rank has a core (conftest makes waits
+    yield under pytest-xdist)."""
     out = run_job(nprocs, "paths_job.py", *args, timeout=300, env=env, launcher=launcher)
     out.require(["paths done"], range(nprocs))
