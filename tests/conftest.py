@@ -1,5 +1,6 @@
 """Helpers: launch real multi-rank jobs through `mcrdl run` (MPICH's mpiexec), their ranks
 forked from fork servers that imported torch once (tests/forkserver.py)."""
+import fcntl
 import json
 import os
 import resource
@@ -62,10 +63,35 @@ def _cpu_seconds():
     return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime + forkserver.cpu_seconds()
 
 
+def _hold_machine(item):
+    """Under pytest-xdist, the run's machine lock (in the workers' shared base temp
+    directory): shared by every test, exclusive for an ``alone`` one, which so
+    starts once the other worker's test has ended, and keeps the other worker
+    waiting until it ends. A turnstile before the lock keeps the other worker's
+    next tests from passing an ``alone`` test that waits. The lock's descriptor, or
+    None outside pytest-xdist."""
+    if not hasattr(item.config, "workerinput"):
+        return None
+    run = Path(item.config.option.basetemp).parent
+    turnstile = os.open(run / "machine.turnstile", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        machine = os.open(run / "machine.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(machine, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+    finally:
+        os.close(turnstile)
+    return machine
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    machine = _hold_machine(item)
     item.stash[_CPU_AT_START] = _cpu_seconds()
-    yield
+    try:
+        yield
+    finally:
+        if machine is not None:
+            os.close(machine)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -530,6 +530,8 @@ def test_autotune_trial_benchmark_records_both_settings(tmp_path):
 
 
 # -- benchmarks/tuning/drift.py ---------------------------------------------------------------------
+# its idle jobs must measure calls back to back (none made under another job's load)
+@pytest.mark.alone
 def test_drift_benchmark_records_every_job(tmp_path):
     """Idle and loaded jobs, drift check off and on: every job finishes with
     its step times, its winners, and (idle) its back-to-back call time."""
