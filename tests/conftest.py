@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -194,33 +196,54 @@ def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec")
     return out, proc.returncode
 
 
+#: how long a command may run on after the line that says its work is done (run_or_dump)
+HUNG_AFTER_S = 20
+
+
 def run_or_dump(cmd, timeout, env=None, cwd=None, hung_after=None):
     """``subprocess.run(cmd)``: ``(exit status, stdout, stderr)``. Past ``timeout`` the
     command and every process below it (torchrun's workers run in sessions of their own)
     get SIGABRT, so Python's fault handler prints where each thread waited, and the test
-    fails with that output's tail, unless the output has the line ``hung_after`` starts:
-    then the command's work was done and it hung on its way out (a reference run of
-    another library), a warning says so and the exit status is None."""
+    fails with that output's tail. Once a line of its output starts with ``hung_after``
+    the command's work is done: it has :data:`HUNG_AFTER_S` more to end, and one that
+    hangs on its way out (a reference run of another library) ends the same way, but
+    with a warning that says so and the exit status None."""
     from mcrdl.launcher import processes_below
 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env={**(env or os.environ), "PYTHONFAULTHANDLER": "1"})
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    lines = {proc.stdout: [], proc.stderr: []}
+    readers = [threading.Thread(target=lambda f=f: lines[f].extend(iter(f.readline, "")), daemon=True)
+               for f in lines]
+    for reader in readers:
+        reader.start()
+    deadline, done = time.monotonic() + timeout, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        if done is None and hung_after is not None and any(l.startswith(hung_after) for l in lines[proc.stdout]):
+            done = time.monotonic()
+            deadline = min(deadline, done + HUNG_AFTER_S)
+        time.sleep(0.1)
+    ran_on = proc.poll() is None
+    if ran_on:
         everyone = [proc.pid, *processes_below(proc.pid)]
         signal_all(everyone, signal.SIGABRT)
         try:
-            out, err = proc.communicate(timeout=10)
-        finally:
-            signal_all(everyone, signal.SIGKILL)
-        if hung_after is not None and any(line.startswith(hung_after) for line in out.splitlines()):
-            warnings.warn(f"{' '.join(map(str, cmd[:6]))} ... printed {hung_after!r}, then still ran after "
-                          f"{timeout} s; where each process waited:\n{(out + err)[-3000:]}")
-            return None, out, err
-        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... still ran after {timeout} s; where each process "
-                    f"waited:\n{(out + err)[-12000:]}", pytrace=False)
-    return proc.returncode, out, err
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        signal_all(everyone, signal.SIGKILL)
+        proc.wait()
+    for reader in readers:
+        reader.join(timeout=10)
+    out, err = "".join(lines[proc.stdout]), "".join(lines[proc.stderr])
+    if not ran_on:
+        return proc.returncode, out, err
+    if done is not None:
+        warnings.warn(f"{' '.join(map(str, cmd[:6]))} ... printed {hung_after!r}, then still ran "
+                      f"{HUNG_AFTER_S} s later; where each process waited:\n{(out + err)[-3000:]}")
+        return None, out, err
+    pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... still ran after {timeout} s; where each process "
+                f"waited:\n{(out + err)[-12000:]}", pytrace=False)
 
 
 def signal_all(pids, signum):
