@@ -47,18 +47,9 @@ def pytest_sessionstart(session):
         os.environ.setdefault("MCRDL_WAIT", "yield")
 
 
-#: the slowest files (the table at the end of a run), first in the run: under
-#: pytest-xdist (``--no-loadscope-reorder``) no long file is dealt out last; bench
-#: second, beside DeepSpeed's op build in test_frameworks' first test
-SLOWEST_FIRST = ["test_frameworks", "test_bench", "test_faults", "test_collectives", "test_torch_backend",
-                 "test_workloads", "test_multihost", "test_launchers"]
-
-
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(KINDS.get(item.module.__name__, "job"))
-    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: first.get(item.module.__name__, len(first)))  # (stable: in-file order kept)
 
 
 #: test file -> [wall s, CPU s, tests]: what each file cost, printed at the end of the run
