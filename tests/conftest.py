@@ -269,11 +269,11 @@ def read_verdicts(directory):
             for line in path.read_text().splitlines() if line]
 
 
-def compiled_status(module, cache, **env):
+def compiled_status(module, cache, cwd=None, **env):
     """``module.status()`` of a compiled helper (mcrdl.facts, mcrdl.backends.native),
-    in a fresh process building into ``cache``."""
+    in a fresh process (working in ``cwd``) building into ``cache``."""
     proc = subprocess.run([sys.executable, "-c", f"from {module} import status; print(status())"],
-                          capture_output=True, text=True, timeout=900,
+                          capture_output=True, text=True, timeout=900, cwd=cwd,
                           env={**os.environ, "MCRDL_CACHE": str(cache), **env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.strip()
@@ -286,11 +286,12 @@ def cached_files(cache):
 
 def check_built_once_and_reused(module, cache):
     """An empty ``cache`` gets one module and no temporary file; a second
-    process loads it without building again."""
+    process, working in another directory, loads it without building again (a
+    compiler named without its path once keyed the module by the working directory)."""
     first = compiled_status(module, cache)
     assert first.startswith(f"compiled ({cache}"), first
     built = cached_files(cache)
     assert len(built) == 1 and built[0].endswith(".so"), built
     path = first[len("compiled ("):-1]
     made = os.stat(path).st_mtime_ns
-    assert compiled_status(module, cache) == first and os.stat(path).st_mtime_ns == made
+    assert compiled_status(module, cache, cwd=Path(cache).parent) == first and os.stat(path).st_mtime_ns == made

@@ -153,10 +153,13 @@ def status() -> str:
 
 
 def cxx() -> Optional[list[str]]:
-    """The C++ compiler: $CXX, Python's build configuration's, else c++ or g++ on PATH."""
+    """The C++ compiler: $CXX, Python's build configuration's, else c++ or g++ on PATH;
+    its program as a full path (the cache key must not depend on the working directory)."""
     for candidate in (os.environ.get("CXX"), sysconfig.get_config_var("CXX")):
-        if candidate and shutil.which(shlex.split(candidate)[0]):
-            return shlex.split(candidate)
+        words = shlex.split(candidate or "")
+        found = words and shutil.which(words[0])
+        if found:
+            return [found, *words[1:]]
     found = shutil.which("c++") or shutil.which("g++")
     return [found] if found else None
 

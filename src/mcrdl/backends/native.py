@@ -27,14 +27,15 @@ BUILD_TIMEOUT_S = 120
 
 def mpicc() -> Optional[str]:
     """The MPI C compiler: $MPICC, the one beside this Python (the mpich
-    wheel's), mpi4py's build configuration, else ``mpicc`` on PATH."""
+    wheel's), mpi4py's build configuration, else ``mpicc`` on PATH; a full path
+    where it is found (the cache key must not depend on the working directory)."""
     import mpi4py
 
     beside = os.path.join(os.path.dirname(sys.executable), "mpicc")
     for candidate in (os.environ.get("MPICC"), beside if os.path.exists(beside) else None,
                       mpi4py.get_config().get("mpicc"), shutil.which("mpicc")):
         if candidate:
-            return candidate
+            return shutil.which(candidate) or candidate
     return None
 
 
