@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/mcrdl demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=25 tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -ra --durations=25 tests
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
