@@ -261,3 +261,48 @@ def test_ranks_waiting_on_a_failed_build_do_not_compile_again(tmp_path):
     assert count.read_text().count("run") == 1, statuses
     assert all(s.startswith("build failed (") and s.endswith("pure Python") for s in statuses), statuses
     assert any("another process" in s for s in statuses), statuses
+
+
+def test_beats_arrive_while_the_gil_is_held_and_stop_once_removed(compiled):
+    """The watchdog's beats (facts.cpp's Beats): every interval on each added socket,
+    also while this thread holds the GIL; none once the socket is removed or the
+    beats stop; a bad interval names itself; in a forked child the methods do nothing."""
+    import ctypes
+    import socket
+    import time
+
+    with pytest.raises(ValueError, match="interval must be > 0"):
+        compiled.Beats(0)
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(2)
+    beats = compiled.Beats(0.05)
+    beats.add(ours.fileno())
+    beats.add(ours.fileno())  # (once only)
+    ctypes.PyDLL(None).usleep(400_000)  # 0.4 s with the GIL held: about 8 beats go out meanwhile
+    got = theirs.recv(4096)
+    assert got.count(b"beat\n") >= 4 and got == b"beat\n" * got.count(b"beat\n"), got
+    pid = os.fork()
+    if pid == 0:  # the child's copy: no thread, and its calls change nothing
+        beats.remove(ours.fileno())
+        beats.stop()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert theirs.recv(4096).startswith(b"beat\n")  # still beating for the parent
+    beats.remove(ours.fileno())
+    time.sleep(0.06)  # (a beat may have left just before the remove)
+    theirs.setblocking(False)
+    while True:
+        try:
+            theirs.recv(4096)
+        except BlockingIOError:
+            break
+    time.sleep(0.2)
+    with pytest.raises(BlockingIOError):
+        theirs.recv(4096)
+    beats.add(ours.fileno())
+    beats.stop()
+    time.sleep(0.2)
+    with pytest.raises(BlockingIOError):
+        theirs.recv(4096)
+    ours.close()
+    theirs.close()

@@ -152,24 +152,32 @@ def test_frozen_rank_under_mcrdl_run_ends_the_whole_job(tmp_path, monkeypatch):
 
 
 def test_a_busy_rank_is_not_taken_for_frozen(tmp_path):
-    """MCRDL_FROZEN_S=1: rank 1 spends 3 s in a pure-Python loop, 3 s in
-    torch.save of 400 MB and 3 s asleep while rank 0 waits in an all_reduce;
-    the watchdog's thread beats through all of it, so nobody is called frozen."""
+    """MCRDL_FROZEN_S=1: rank 1 spends 2 s in a pure-Python loop, 2 s in
+    torch.save of 400 MB, 2 s asleep and 2 s in a call that holds the GIL (libc's
+    sleep through ctypes.PyDLL) while rank 0 waits in an all_reduce; then rank 0
+    holds its GIL for 2 s while rank 1 waits. The beats come from a thread that
+    never takes the GIL (facts.cpp's Beats), and each end reads what has arrived
+    before it judges, so nobody is called frozen."""
     script = tmp_path / "busy.py"
     script.write_text(
-        "import sys, time, torch, mcrdl\n"
+        "import ctypes, sys, time, torch, mcrdl\n"
         "mcrdl.init_process_group(timeout=60)\n"
+        "hold_gil = ctypes.PyDLL(None).sleep  # (PyDLL: called with the GIL held)\n"
         "x = torch.ones(4)\n"
         "if mcrdl.get_rank() == 1:\n"
-        "    end = time.monotonic() + 3\n"
+        "    end = time.monotonic() + 2\n"
         "    while time.monotonic() < end:\n"
         "        sum(i * i for i in range(10000))\n"
-        "    end = time.monotonic() + 3\n"
+        "    end = time.monotonic() + 2\n"
         "    while time.monotonic() < end:\n"
         f"        torch.save(torch.ones(100_000_000), {str(tmp_path / 'ckpt.pt')!r})\n"
-        "    time.sleep(3)\n"
+        "    time.sleep(2)\n"
+        "    hold_gil(2)\n"
         "mcrdl.all_reduce(x, backend='gloo')\n"
-        "assert torch.equal(x, torch.full((4,), 2.0)), x\n"
+        "if mcrdl.get_rank() == 0:\n"
+        "    hold_gil(2)\n"
+        "mcrdl.all_reduce(x, backend='gloo')\n"
+        "assert torch.equal(x, torch.full((4,), 4.0)), x\n"
         "sys.stdout.write(f'rank {mcrdl.get_rank()} ok\\n')\n")  # one write: ranks share the pipe
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "90", FORKED,
                            str(script)], capture_output=True, text=True,
@@ -325,3 +333,39 @@ def test_a_leaving_rank_0s_bye_arrives_behind_an_unacknowledged_beat():
         pass
     peer.close()
     assert got.endswith(b"bye\n"), got
+
+
+def test_rank_0_reads_what_arrived_while_it_waited_for_the_gil_before_it_judges():
+    """Rank 0's watchdog thread, waiting for the GIL (held here for 2.5 s by a C call)
+    after a wait that found nothing, must read the beats that arrived meanwhile before
+    it judges: judged on what it last read, a peer beating all along is called frozen.
+    The peer's beats come from another process, 1 s into the hold (after the wait), every 0.1 s."""
+    import ctypes
+
+    from mcrdl import watchdog
+
+    deaths = []
+    store = torch.distributed.HashStore()
+    wd = watchdog.Watchdog(store, 0, 2, lambda: socket.create_server(("127.0.0.1", 0)),
+                           lambda rank, how: deaths.append(how), timeout=10, frozen_s=1.5)
+    host, port, secret = store.get("watchdog/0").decode().split()
+    peer = socket.create_connection((host, int(port)), timeout=10)
+    nonce = peer.recv(64).decode().strip()
+    mine = "ab" * 16
+    peer.sendall(f"1 {mine} {watchdog._mac(bytes.fromhex(secret), 'rank', '1', nonce)}\n".encode())
+    assert peer.recv(65).decode().strip() == watchdog._mac(bytes.fromhex(secret), "rank0", mine)
+    beater = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "time.sleep(1.0)\n"
+        "for _ in range(35):\n"
+        "    os.write(int(sys.argv[1]), b'beat\\n')\n"
+        "    time.sleep(0.1)\n"), str(peer.fileno())], pass_fds=[peer.fileno()])
+    try:
+        ctypes.PyDLL(None).usleep(2_500_000)  # the GIL held: no thread of this process runs Python
+        time.sleep(0.3)
+        assert deaths == [], deaths
+    finally:
+        beater.kill()
+        beater.wait()
+        wd.stop()
+        peer.close()

@@ -10,7 +10,9 @@ machine into mcrdl's cache (:mod:`mcrdl.compiled`), together with the
 compiled driver of calls that run from a plan (``drive``, see ops.py);
 without a C++ compiler, when the build fails, or with ``MCRDL_NATIVE=0``
 these run instead, with the same results (tests/test_facts.py checks both on
-the same tensors).
+the same tensors). The compiled module also holds ``Beats``, the watchdog's
+heartbeat thread that never takes the GIL (watchdog.py falls back to its own
+thread without it).
 A tensor qualifies when it is a strided, contiguous CPU tensor, not nested,
 with storage and no Python dispatch (wrapper subclasses take the general path).
 """

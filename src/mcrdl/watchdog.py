@@ -18,10 +18,13 @@ connection ending without ``bye`` is a death. At most :data:`MAX_PENDING`
 connections wait for their handshake at once, the oldest going first.
 
 Frozen peers (SIGSTOP, a node stuck in I/O or swapping) are found on the same
-connections: every :func:`beat_interval` each end sends ``beat``, from this
-thread, so a rank busy in a long compute step, Python loop or checkpoint write
-still beats. A rank not heard from for ``MCRDL_FROZEN_S`` seconds (default 15;
-0: never) is reported frozen, by rank 0 to everyone, or by a rank of rank 0.
+connections: every :func:`beat_interval` each end sends ``beat`` from a thread
+of the compiled helpers that never takes the GIL (``Beats`` in facts.cpp; without
+them, from this thread), so a rank busy in a long compute step, Python loop,
+checkpoint write or a call that holds the GIL still beats. A rank not heard from
+for ``MCRDL_FROZEN_S`` seconds (default 15; 0: never) is reported frozen, by rank
+0 to everyone, or by a rank of rank 0; each end reads what has arrived before it
+judges, so its own thread being held up does not make a peer look silent.
 
 Heartbeats in the store (:mod:`mcrdl.health`) still explain timeouts.
 ``MCRDL_WATCHDOG=0`` turns the watchdog off.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+import select
 import selectors
 import socket
 import sys
@@ -41,9 +45,19 @@ from typing import Callable, Optional
 LINE_MAX = 256  # bytes: every line of the protocol is shorter
 HANDSHAKE_S = 30.0  # a connection not admitted by then is dropped
 MAX_PENDING = 64  # connections waiting for their handshake at once
+DRAIN_PASSES = 64  # reads of what has arrived before rank 0 judges (bounded: a peer may flood)
 def beat_interval(frozen_s: float) -> float:
     """How often each end of a connection says it is alive."""
     return min(1.0, frozen_s / 5) if frozen_s else 1.0
+
+
+def _gil_free_beats(interval: float):
+    """facts.cpp's ``Beats`` (a thread that never takes the GIL), or None without the
+    compiled helpers (this module's thread beats then)."""
+    from . import facts
+
+    compiled = facts.load()
+    return None if compiled is facts else compiled.Beats(interval)
 
 
 def _no_delay(sock: socket.socket) -> socket.socket:
@@ -120,6 +134,7 @@ class Watchdog:
         self.on_dump: Optional[Callable[[int], None]] = None
         self._stop = threading.Event()
         self._dead: set[int] = set()
+        self._beats = _gil_free_beats(self._beat_s)
         # a fresh key per init: the same store may serve several inits in turn
         generation = (store.add("watchdog/arrivals", 1) - 1) // world_size
         key = f"watchdog/{generation}"
@@ -139,6 +154,8 @@ class Watchdog:
             self._sock = _no_delay(socket.create_connection((host, int(port)), timeout=timeout))
             self._pending = self._handshake(f"{host}:{port}")
             self._sock.settimeout(self._beat_s)
+            if self._beats is not None:
+                self._beats.add(self._sock.fileno())
             target = self._listen_to_rank0
         self._thread = threading.Thread(target=target, daemon=True, name="mcrdl-watchdog")
         self._thread.start()
@@ -169,15 +186,19 @@ class Watchdog:
         sel.register(self._wake_r, selectors.EVENT_READ)
         beaten = 0.0
         while not self._stop.is_set():
-            for key, _ in sel.select(timeout=self._beat_s):
-                sock = key.fileobj
-                if sock is self._wake_r:
+            ready = sel.select(timeout=self._beat_s)
+            # then what arrived while this thread waited for the GIL, up to a last look that
+            # found nothing: silence is judged up to then, never on what was not read yet
+            for _ in range(DRAIN_PASSES):
+                for key, _ in ready:
+                    if key.fileobj is self._listener:
+                        self._accept(sel)
+                    elif key.fileobj in self._peers:
+                        self._read(sel, key.fileobj)
+                now = time.monotonic()
+                ready = sel.select(timeout=0)
+                if not ready or self._stop.is_set():
                     break
-                if sock is self._listener:
-                    self._accept(sel)
-                elif sock in self._peers:
-                    self._read(sel, sock)
-            now = time.monotonic()
             for sock, peer in list(self._peers.items()):
                 if peer.rank is None and now - peer.since > HANDSHAKE_S:
                     self._reject(sel, sock, "no handshake in time")
@@ -185,7 +206,7 @@ class Watchdog:
                       and peer.rank not in self._dead and now - peer.heard > self.frozen_s):
                     self._tell_all(f"frozen {peer.rank} {now - peer.heard:.1f}\n".encode())
                     self._died(peer.rank, _frozen(peer.rank, now - peer.heard))
-            if now - beaten >= self._beat_s:
+            if self._beats is None and now - beaten >= self._beat_s:
                 self._tell_all(b"beat\n")
                 beaten = now
         sel.close()
@@ -256,6 +277,8 @@ class Watchdog:
             return "gone during the handshake"
         peer.rank, peer.heard = rank, time.monotonic()
         self._admitted.add(rank)
+        if self._beats is not None:
+            self._beats.add(sock.fileno())
         return None
 
     def _reject(self, sel: selectors.BaseSelector, sock: socket.socket, why: str) -> None:
@@ -266,6 +289,8 @@ class Watchdog:
         self._close(sel, sock)
 
     def _close(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        if self._beats is not None:
+            self._beats.remove(sock.fileno())  # (before the descriptor can be reused)
         sel.unregister(sock)
         sock.close()
         del self._peers[sock]
@@ -316,17 +341,23 @@ class Watchdog:
                       and words[2].replace(b".", b"", 1).isdigit()):
                     self._died(int(words[1]), _frozen(int(words[1]), float(words[2])))
             now = time.monotonic()
-            if now - beaten >= self._beat_s:
+            if self._beats is None and now - beaten >= self._beat_s:
                 try:
                     self._sock.sendall(b"beat\n")
                 except OSError:
                     pass  # rank 0 gone or stuck: its silence is seen below
                 beaten = now
-            if self.frozen_s and now - heard > self.frozen_s and not leaving:
-                self._died(0, _frozen(0, now - heard))
             try:
                 data = self._sock.recv(LINE_MAX)
-            except socket.timeout:
+            except socket.timeout:  # nothing for a beat interval, or this thread waited for the GIL
+                now = time.monotonic()  # (silence is judged up to a last look that found nothing)
+                try:
+                    if select.select([self._sock], [], [], 0)[0]:
+                        continue
+                except (OSError, ValueError):  # closed: this rank is leaving (stop)
+                    break
+                if self.frozen_s and now - heard > self.frozen_s and not leaving:
+                    self._died(0, _frozen(0, now - heard))
                 continue
             except OSError:
                 data = b""
@@ -342,6 +373,8 @@ class Watchdog:
         """Leave on purpose: peers are told, not alarmed (``leaving=False``: a rank
         ending on an error goes without ``bye``, so its peers hear of a death)."""
         self._stop.set()
+        if self._beats is not None:
+            self._beats.stop()  # (no socket is written by it after this)
         if self.rank == 0:
             self._wake_w.send(b"x")
             self._thread.join(timeout=2)
