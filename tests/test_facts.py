@@ -271,8 +271,9 @@ def test_beats_arrive_while_the_gil_is_held_and_stop_once_removed(compiled):
     import socket
     import time
 
-    with pytest.raises(ValueError, match="interval must be > 0"):
-        compiled.Beats(0)
+    for bad in ({"interval": 0}, {"interval": -1.5}):
+        with pytest.raises(ValueError, match=f"interval must be > 0 seconds, got {bad['interval']}"):
+            compiled.Beats(**bad)
     ours, theirs = socket.socketpair()
     theirs.settimeout(2)
     beats = compiled.Beats(0.05)

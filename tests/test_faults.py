@@ -292,6 +292,20 @@ def test_an_op_done_in_its_start_is_not_failed_for_a_death_noted_meanwhile():
     assert ran == ["post"]
 
 
+def _admitted_as_rank_1(store):
+    """A connection that rank 0's watchdog (its address in ``store``) admitted as rank 1,
+    the handshake made by hand."""
+    from mcrdl import watchdog
+
+    host, port, secret = store.get("watchdog/0").decode().split()
+    peer = socket.create_connection((host, int(port)), timeout=10)
+    nonce = peer.recv(64).decode().strip()
+    mine = "ab" * 16
+    peer.sendall(f"1 {mine} {watchdog._mac(bytes.fromhex(secret), 'rank', '1', nonce)}\n".encode())
+    assert peer.recv(65).decode().strip() == watchdog._mac(bytes.fromhex(secret), "rank0", mine)
+    return peer
+
+
 def test_a_leaving_rank_0s_bye_arrives_behind_an_unacknowledged_beat():
     """CI saw rank 1 take rank 0's leaving for a death (then abort the job at exit):
     rank 0 wrote ``bye`` while a beat it had sent was not yet acknowledged, so
@@ -303,12 +317,7 @@ def test_a_leaving_rank_0s_bye_arrives_behind_an_unacknowledged_beat():
     store = torch.distributed.HashStore()
     wd = watchdog.Watchdog(store, 0, 2, lambda: socket.create_server(("127.0.0.1", 0)),
                            lambda rank, how: None, timeout=10)
-    host, port, secret = store.get("watchdog/0").decode().split()
-    peer = socket.create_connection((host, int(port)), timeout=10)
-    nonce = peer.recv(64).decode().strip()
-    mine = "ab" * 16
-    peer.sendall(f"1 {mine} {watchdog._mac(bytes.fromhex(secret), 'rank', '1', nonce)}\n".encode())
-    assert peer.recv(65).decode().strip() == watchdog._mac(bytes.fromhex(secret), "rank0", mine)
+    peer = _admitted_as_rank_1(store)
     tell = wd._tell_all
     for _ in range(10):  # beats both ways: the peer now delays its acknowledgements
         tell(b"beat\n")
@@ -348,12 +357,7 @@ def test_rank_0_reads_what_arrived_while_it_waited_for_the_gil_before_it_judges(
     store = torch.distributed.HashStore()
     wd = watchdog.Watchdog(store, 0, 2, lambda: socket.create_server(("127.0.0.1", 0)),
                            lambda rank, how: deaths.append(how), timeout=10, frozen_s=1.5)
-    host, port, secret = store.get("watchdog/0").decode().split()
-    peer = socket.create_connection((host, int(port)), timeout=10)
-    nonce = peer.recv(64).decode().strip()
-    mine = "ab" * 16
-    peer.sendall(f"1 {mine} {watchdog._mac(bytes.fromhex(secret), 'rank', '1', nonce)}\n".encode())
-    assert peer.recv(65).decode().strip() == watchdog._mac(bytes.fromhex(secret), "rank0", mine)
+    peer = _admitted_as_rank_1(store)
     beater = subprocess.Popen([sys.executable, "-c", (
         "import os, sys, time\n"
         "time.sleep(1.0)\n"

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <mutex>
@@ -1127,7 +1128,9 @@ PyObject *beats_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "d", const_cast<char **>(names), &interval))
         return nullptr;
     if (!(interval > 0)) {
-        PyErr_Format(PyExc_ValueError, "Beats: interval must be > 0 seconds, got %R", PyTuple_GET_ITEM(args, 0));
+        char got[32];
+        snprintf(got, sizeof got, "%g", interval);
+        PyErr_Format(PyExc_ValueError, "Beats: interval must be > 0 seconds, got %s", got);
         return nullptr;
     }
     auto *self = reinterpret_cast<Beats *>(type->tp_alloc(type, 0));

@@ -189,8 +189,8 @@ class Watchdog:
             ready = sel.select(timeout=self._beat_s)
             # then what arrived while this thread waited for the GIL, up to a last look that
             # found nothing: silence is judged up to then, never on what was not read yet
-            for _ in range(DRAIN_PASSES):
-                for key, _ in ready:
+            for _pass in range(DRAIN_PASSES):
+                for key, _events in ready:
                     if key.fileobj is self._listener:
                         self._accept(sel)
                     elif key.fileobj in self._peers:
