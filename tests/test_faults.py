@@ -151,13 +151,14 @@ def test_frozen_rank_under_mcrdl_run_ends_the_whole_job(tmp_path, monkeypatch):
     assert not left, f"processes left: {left}"
 
 
-def test_a_busy_rank_is_not_taken_for_frozen(tmp_path):
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_busy_rank_is_not_taken_for_frozen(tmp_path, launcher):
     """MCRDL_FROZEN_S=1: rank 1 spends 2 s in a pure-Python loop, 2 s in
     torch.save of 400 MB, 2 s asleep and 2 s in a call that holds the GIL (libc's
     sleep through ctypes.PyDLL) while rank 0 waits in an all_reduce; then rank 0
     holds its GIL for 2 s while rank 1 waits. The beats come from a thread that
     never takes the GIL (facts.cpp's Beats), and each end reads what has arrived
-    before it judges, so nobody is called frozen."""
+    before it judges, so nobody is called frozen, under MPI's launcher and torchrun."""
     script = tmp_path / "busy.py"
     script.write_text(
         "import ctypes, sys, time, torch, mcrdl\n"
@@ -179,8 +180,8 @@ def test_a_busy_rank_is_not_taken_for_frozen(tmp_path):
         "mcrdl.all_reduce(x, backend='gloo')\n"
         "assert torch.equal(x, torch.full((4,), 4.0)), x\n"
         "sys.stdout.write(f'rank {mcrdl.get_rank()} ok\\n')\n")  # one write: ranks share the pipe
-    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", "--timeout", "90", FORKED,
-                           str(script)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "--launcher", launcher, "-n", "2",
+                           "--timeout", "90", FORKED, str(script)], capture_output=True, text=True,
                           env={**ENV, "MCRDL_FROZEN_S": "1"}, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "is frozen" not in out and "Warning" not in out, out[-3000:]
