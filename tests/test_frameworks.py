@@ -11,6 +11,7 @@ MPI, and the losses must still equal gloo's.
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from conftest import FORKED
 
 EXAMPLES = Path(__file__).parents[1] / "examples" / "frameworks"
 # a test runs two jobs (each bounded by mcrdl run's --timeout); the first DeepSpeed one
-# also builds DeepSpeed's shm op in its fixture
+# also builds DeepSpeed's shm op in its fixture when `make test` did not
 pytestmark = pytest.mark.timeout(1800)
 ENV = {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "DS_ACCELERATOR": "cpu"}
 #: a gloo reference job's time limit (s): the slowest took about 40 s here under load
@@ -32,11 +33,17 @@ REFERENCE_TIMEOUT = 180
 
 @pytest.fixture(scope="session")
 def deepspeed(tmp_path_factory):
-    """DeepSpeed importable, with its CPU shm op built once into this session's own
+    """DeepSpeed importable, with its CPU shm op in this session's own
     TORCH_EXTENSIONS_DIR: every DeepSpeed process takes a lock file in that directory
     even when the op is built, and one killed there (a timed-out job, a cancelled run)
-    leaves the lock behind, on which every later process in ~/.cache waits forever."""
-    ENV["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+    leaves the lock behind, on which every later process in ~/.cache waits forever.
+    The op `make test` built (the Makefile's DS_OP) is copied in, times kept, so
+    ninja finds it up to date; without it the op is built here."""
+    extensions = tmp_path_factory.mktemp("torch_extensions")
+    built = Path(sys.prefix) / "torch_extensions" / "deepspeed_shm_comm"
+    if built.is_dir():
+        shutil.copytree(built, extensions / built.name)  # (copy2: modification times kept)
+    ENV["TORCH_EXTENSIONS_DIR"] = str(extensions)
     env = {**os.environ, **ENV}
     proc = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True,
                           text=True, env=env, timeout=300)

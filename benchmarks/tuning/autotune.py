@@ -2,7 +2,7 @@
 
     python benchmarks/tuning/autotune.py [--rounds 5] [--steps 10] [--warmup 12] [--out OUT] [--runs RUNS]
 
-Runs ``mcrdl demo`` (every workload, 2 ranks) twice, modes interleaved per
+Runs ``mcrdl demo --no-variants`` (every workload, 2 ranks) twice, modes interleaved per
 round: on the machine as it is, with ``tuned`` using the quick tune made
 then; and again with one busy-looping process taking a core, where ``tuned``
 still uses the idle machine's table while ``autotuned`` learns under the load.
@@ -33,7 +33,7 @@ MODES = "baseline-gloo,baseline-mpi,tuned,autotuned"
 
 def demo(args, out: str, table=None) -> None:
     cmd = [sys.executable, "-m", "mcrdl.cli", "demo", "--modes", MODES, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--out", out]
+           "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--out", out, "--no-variants"]
     if table:
         cmd += ["--table", table]
     print("+", " ".join(cmd[2:]), flush=True)

@@ -15,7 +15,7 @@ It starts ``-n`` local ranks of itself (``mcrdl run``), and in that job:
    single library), ``coarse`` (one library per op class, chosen from the tune),
    ``tuned`` (the tuning table: per op and message size); DDP also runs
    ``torch`` (plain DDP, no hook), ``tuned+polled``, ``tuned+fused`` and
-   ``tuned+fp16`` (hook variants). With CUDA tensors (``--device cuda``, the
+   ``tuned+fp16`` (hook variants; ``--no-variants`` leaves these four out). With CUDA tensors (``--device cuda``, the
    default when torch sees a GPU for every rank) the baselines are gloo,
    ``mpi_staged`` and, with a GPU per rank, NCCL. ``--modes`` picks others: ``autotuned``
    learns its choices from the run's own first calls (``mcrdl.autotune``); a
@@ -82,6 +82,8 @@ def add_args(p) -> None:
     p.add_argument("--modes", help=f"comma list of {', '.join(MODES)} (default: the device's "
                                    f"baselines, {','.join(MIXED_MODES)})")
     p.add_argument("--table", help="use this tuning table instead of running the quick tune")
+    p.add_argument("--no-variants", action="store_true",
+                   help="ddp runs only the modes asked for (not its hook variants of tuned, nor plain DDP)")
     p.add_argument("--tune-sizes", default=TUNE_SIZES, help=f"sizes of the quick tune (default {TUNE_SIZES})")
     p.add_argument("--timeout", type=float, default=900, help="kill the job after this many seconds")
     p.add_argument("--no-report", action="store_true", help=argparse_suppress())
@@ -162,6 +164,8 @@ def _outer(args, names: List[str]) -> int:
             "--device", args.device]
     if args.table:
         argv += ["--table", args.table]
+    if args.no_variants:
+        argv.append("--no-variants")
     tune = "" if args.table or not set(TABLE_MODES) & set(args.modes.split(",")) else "quick tune, then "
     print(f"mcrdl demo: {args.nprocs} local ranks ({args.launcher}), {args.device} tensors; {tune}{', '.join(names)} in modes "
           f"{args.modes.replace(',', ', ')} ({args.steps} timed steps x {args.rounds} rounds each)", flush=True)
@@ -202,7 +206,7 @@ def _inner(args, names: List[str]) -> int:
     for name in names:
         module, extra, more_modes = WORKLOADS[name]
         mod = importlib.import_module(f"mcrdl.workloads.{module}")
-        extra_modes = more_modes if "tuned" in modes else ""  # DDP's hook variants of tuned
+        extra_modes = more_modes if "tuned" in modes and not args.no_variants else ""  # DDP's hook variants of tuned
         argv = ["--mode", ",".join(modes) + extra_modes, *(["--table", table] if table else []),
                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
                 "--seed", str(args.seed), "--device", args.device, "--json", os.path.join(args.out, f"{name}.json"),
