@@ -70,9 +70,6 @@ def test_backend_added_by_one_module():
     assert out.count("OK") >= 2 and "['gloo2']" in out
 
 
-# beside another job (pytest-xdist) a rank went silent past MCRDL_FROZEN_S (15 s), and a
-# send due to miss its deadline met it
-@pytest.mark.alone
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_host_staging_on_cpu(nprocs):
     """mpi_staged's copies in and back, its start queue, program order against
@@ -83,8 +80,6 @@ def test_host_staging_on_cpu(nprocs):
     assert out.count("['mpi_staged_cpu']") == nprocs, out[-3000:]
 
 
-# beside another job (pytest-xdist) a rank went silent past MCRDL_FROZEN_S (15 s)
-@pytest.mark.alone
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_stream_ordered_starts_on_cpu(nprocs):
     """The mpi backend's deferred starts (its path for CUDA tensors on a

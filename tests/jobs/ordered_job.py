@@ -26,7 +26,8 @@ NAME = "mpi_ordered_cpu"
 class OrderedOnCPU(MPIBackend):
     """The MPI backend with every op in stream order; float64 stands for CUDA
     (and, like CUDA tensors, has no compiled fast path). ``late``: the next
-    event completes only at that time (monotonic s)."""
+    event completes only that many seconds after it was made (as its op's
+    deadline starts, so the gap holds however slow the machine)."""
     name = NAME
     count, late = 0, None
 
@@ -41,8 +42,8 @@ class OrderedOnCPU(MPIBackend):
     def stream_event(self, t):
         self.count += 1
         if self.late is not None:
-            at, self.late = self.late, None
-            return LandsAt(at)
+            delay, self.late = self.late, None
+            return LandsAt(time.monotonic() + delay)
         return Lands((self.count * (3 if mcrdl.get_rank() % 2 else 5)) % 7)
 
     def starter(self, op, h, timeout, tensors, *fixed):
@@ -69,7 +70,7 @@ if sys.argv[1:2] == ["late"]:
     # then aborts at exit, as after any failed collective)
     quick = mcrdl.new_group(list(range(world)), timeout=2)
     if rank == 1:
-        ordered.late = time.monotonic() + 2.4  # rank 1 misses its own 2 s deadline; the others wait less
+        ordered.late = 2.4  # rank 1 misses its own 2 s deadline; the others wait less
     try:
         mcrdl.all_reduce(value(rank, 4, torch.float64), group=quick, backend=NAME)
         check(False, "a collective whose device work came late on rank 1 completed in time")
@@ -148,7 +149,7 @@ if world > 1:
     if rank == 0:
         mcrdl.send(value(0, 4, torch.float64, salt=1), 1, group=quick, tag=5, backend=NAME)
     elif rank == 1:
-        ordered.late = time.monotonic() + 1.5
+        ordered.late = 1.5
         try:
             mcrdl.recv(torch.zeros(4, dtype=torch.float64), 0, group=quick, tag=5, backend=NAME)
             check(False, "a receive whose device work came late completed in time")
@@ -169,7 +170,7 @@ if world > 1:
 # must still queue behind it
 for rnd in range(10):
     early = value(rank, 6, torch.float64, salt=rnd)
-    ordered.late = time.monotonic() + 0.05 if rank % 2 else 0  # queued on odd ranks only
+    ordered.late = 0.05 if rank % 2 else 0  # queued on odd ranks only
     pending = ordered.all_reduce(mcrdl.api.current_runtime().world.handles[NAME], early, mcrdl.ReduceOp.SUM)
     fast = value(rank, 6, torch.float32, salt=rnd)
     mcrdl.all_reduce(fast, backend=NAME)

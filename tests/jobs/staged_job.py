@@ -36,8 +36,9 @@ class StagedOnCPU(StagedMPIBackend):
 @mcrdl.register_backend
 class LateCopies(StagedOnCPU):
     """Copies in land after 0-6 polls, in a different pattern on each rank;
-    ``late``: the next one lands at that time (monotonic s); ``fail``: the
-    next one fails."""
+    ``late``: the next one lands that many seconds after it was made (as its
+    op's deadline starts, so the gap holds however slow the machine); ``fail``:
+    the next one fails."""
     name = "mpi_staged_late"
     count, late, fail = 0, None, False
 
@@ -45,7 +46,7 @@ class LateCopies(StagedOnCPU):
         super().copy_in(pending)  # (copies at once: CPU)
         self.count += 1
         if self.late is not None:
-            lands, self.late = LandsAt(self.late), None
+            lands, self.late = LandsAt(time.monotonic() + self.late), None
             return lands
         lands = Lands((self.count * (3 if mcrdl.get_rank() % 2 else 5)) % 7, self.fail)
         self.fail = False
@@ -179,7 +180,7 @@ while not behind.test():
 # dropped from the queue (later messages would pair with the wrong receives):
 # it starts then, is cancelled in MPI, and is let go once MPI is done with it
 quick = mcrdl.new_group(list(range(world)), timeout=1)
-mcrdl.api.current_runtime().backends[LATE].late = time.monotonic() + 1.5
+mcrdl.api.current_runtime().backends[LATE].late = 1.5
 try:
     mcrdl.send(torch.ones(2), peer, group=quick, tag=5, backend=LATE)
     check(False, "a send whose input reached the host late completed in time")
