@@ -1,10 +1,11 @@
 # Set-up and entry points. Both targets create .venv and install pinned versions;
-# `make test` also builds DeepSpeed's CPU shm op for its DeepSpeed tests, beside
-# `mcrdl info`'s build (two jobs: each compile is single-threaded).
+# then, two jobs at a time: the packages' bytecode, mcrdl's compiled hot path and
+# (`make test`) DeepSpeed's CPU shm op for its DeepSpeed tests.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PACKAGES := $(VENV)/.packages
+BYTECODE := $(VENV)/.bytecode
 STAMP := $(VENV)/.installed
 DS_OP := $(VENV)/torch_extensions/.built
 MAKEFLAGS += -j2
@@ -14,8 +15,15 @@ MAKEFLAGS += -j2
 $(PACKAGES): pyproject.toml requirements-pinned.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements-pinned.txt
-	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/pip install -q --no-compile -r requirements-pinned.txt
+	$(BIN)/pip install -q --no-compile -e '.[test,plot]'
+	touch $@
+
+# what pip compiles on one core, on all of them; like pip, it passes over a file
+# this Python cannot compile (torch ships one in 3.12 syntax)
+$(BYTECODE): $(PACKAGES)
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > $(VENV)/compileall.log || \
+	  echo "some files did not compile (as pip would skip them): $(VENV)/compileall.log"
 	touch $@
 
 $(STAMP): $(PACKAGES)
@@ -28,11 +36,11 @@ $(DS_OP): $(PACKAGES)
 	  "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
 	touch $@
 
-demo: $(STAMP)
+demo: $(STAMP) $(BYTECODE)
 	$(BIN)/mcrdl info
 	$(BIN)/mcrdl demo
 
-test: $(STAMP) $(DS_OP)
+test: $(STAMP) $(BYTECODE) $(DS_OP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -ra --durations=25 tests
 
 clean:
