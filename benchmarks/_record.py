@@ -12,14 +12,16 @@ import time
 import torch
 
 import mcrdl
+from mcrdl.bench import cpu_model
 
 
 def environment(**versions: str) -> dict:
-    """Versions (torch, mcrdl, python and ``versions``), date, host, CPUs and load."""
+    """Versions (torch, mcrdl, python and ``versions``), date, host, CPUs (count and
+    model) and load."""
     return {"versions": {"torch": torch.__version__, "mcrdl": mcrdl.__version__,
                          "python": platform.python_version(), **versions},
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "hostname": platform.node(), "cpus": os.cpu_count(),
+            "hostname": platform.node(), "cpus": os.cpu_count(), "cpu_model": cpu_model(),
             "loadavg_at_end": os.getloadavg()}
 
 

@@ -192,6 +192,7 @@ def test_tune_writes_a_loadable_table(tune_run):
     table = TuningTable.load(str(paths["out"]), known=KNOWN, live=LIVE)
     meta = table.metadata
     assert meta["world_size"] == 2 and meta["hosts"] == [socket.gethostname()]
+    assert meta["cpu_models"] == [bench.cpu_model()] and meta["cpu_models"][0] not in ("", "unknown"), meta
     assert {"torch", "mpi4py", "mpi", "gloo"} <= set(meta["versions"])
     dt.datetime.fromisoformat(meta["date"])
     assert meta["sweep"]["ops"] == OPS and meta["sweep"]["backends"] == LIVE

@@ -493,13 +493,28 @@ def human(nbytes: int) -> str:
     return f"{nbytes}"
 
 
+def cpu_model() -> str:
+    """This host's CPU model (/proc/cpuinfo's "model name", else ``platform.processor()``):
+    the same code's costs differ by CPU, and so do raw MPI's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def metadata(settings: dict, mode: str = "back-to-back", device: str = "cpu") -> dict:
     """Where and how a measurement was made (hosts, versions, date, mode, settings)."""
     import mpi4py
 
     hosts = sorted(set(_allgather_str(socket.gethostname())))
     cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    return {"hosts": hosts, "world_size": api.get_world_size(),
+    return {"hosts": hosts, "cpu_models": sorted(set(_allgather_str(cpu_model()))), "world_size": api.get_world_size(),
             "rank_cpus": _allgather_str(cpus),  # per rank: the CPUs it may run on (pinned or not)
             "versions": {"mcrdl": __import__("mcrdl").__version__, "torch": torch.__version__,
                          "mpi4py": mpi4py.__version__, **api.get_backend_versions()},
