@@ -42,7 +42,8 @@ def deepspeed(tmp_path_factory):
     extensions = tmp_path_factory.mktemp("torch_extensions")
     built = Path(sys.prefix) / "torch_extensions" / "deepspeed_shm_comm"
     if built.is_dir():
-        shutil.copytree(built, extensions / built.name)  # (copy2: modification times kept)
+        # (copy2 keeps modification times; a lock left by a killed build stays behind)
+        shutil.copytree(built, extensions / built.name, ignore=shutil.ignore_patterns("lock"))
     ENV["TORCH_EXTENSIONS_DIR"] = str(extensions)
     env = {**os.environ, **ENV}
     proc = subprocess.run([sys.executable, "-c", "import deepspeed"], capture_output=True,
