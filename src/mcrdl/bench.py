@@ -43,6 +43,7 @@ import csv
 import datetime as _dt
 import json
 import os
+import platform
 import socket
 import statistics
 import time
@@ -503,8 +504,6 @@ def cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or "unknown"
 
 
