@@ -80,10 +80,14 @@ def test_one_process_without_a_launcher():
     assert "ONE OK" in out
 
 
-@pytest.mark.parametrize("default_backend", ["mpi", "gloo"])
-def test_torch_collectives_match_references(default_backend):
-    out = run_job(2, "torch_backend_ops_job.py", default_backend, timeout=300)
+@pytest.mark.parametrize("default_backend,layer", [("mpi", "compiled"), ("gloo", "python")])
+def test_torch_collectives_match_references(default_backend, layer):
+    """Both forms of the torch layer: facts.cpp's TorchMethods, and the Python
+    methods alone (MCRDL_NATIVE=0), which the compiled ones fall back to."""
+    env = {"MCRDL_NATIVE": "0"} if layer == "python" else {}
+    out = run_job(2, "torch_backend_ops_job.py", default_backend, timeout=300, env=env)
     out.require(["torch backend ops finished"], range(2))
+    assert out.count(f"torch layer {layer}") == 2, out[-2000:]
 
 
 @pytest.mark.parametrize("default_backend", ["mpi", "gloo"])

@@ -16,7 +16,11 @@ variants run on rank-dependent data and must give equal outputs. send/recv is
 a ping-pong between ranks 0 and 1 (one way = round trip / 2). "torch alone":
 the same ``torch.distributed`` call on a group whose backend does nothing
 (returns no Work), timed the same way: what torch's own Python costs per call,
-which no backend can remove.
+which no backend can remove. "added": the layer's time less the API's and
+torch alone's, what #39 holds to 1 us. torch's send and recv are an isend or
+irecv and a wait on its Work; "API async" times that on mcrdl's API
+(``mcrdl.isend(...).wait()``), so its excess over the blocking API is a floor
+of the torch layer's send/recv that the layer itself does not add.
 """
 from __future__ import annotations
 
@@ -158,6 +162,20 @@ def variants(layer: str, op: str, n: int, pg, rank: int, world: int, fill):
     return torch_call, api_call, [x], [y]
 
 
+def api_async_ping_pong(n: int, rank: int):
+    """The send/recv ping-pong on mcrdl's isend/irecv, each waited for (torch's send and recv)."""
+    z = torch.zeros(n)
+
+    def call():
+        if rank == 0:
+            mcrdl.isend(z, 1).wait()
+            mcrdl.irecv(z, 1).wait()
+        elif rank == 1:
+            mcrdl.irecv(z, 0).wait()
+            mcrdl.isend(z, 0).wait()
+    return call
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,1K,16K,256K")
@@ -199,6 +217,8 @@ def main() -> int:
                     order = [("layer", call), ("ref", ref)]
                     if layer == "torch":
                         order.append(("alone", torch_alone(op, max(1, nbytes // 4), null, rank, world)))
+                        if op == "send/recv":
+                            order.append(("api async", api_async_ping_pong(max(1, nbytes // 4), rank)))
                     times = interleaved(order, args.rounds, iters, max(10, iters // 20), comm,
                                         per_call=2 if op == "send/recv" else 1)
                     ratios = [a / b for a, b in zip(times["layer"], times["ref"])]
@@ -207,6 +227,9 @@ def main() -> int:
                            "ratio": statistics.median(ratios), "ratios": ratios}
                     if "alone" in times:
                         row["torch_alone_us"] = statistics.median(times["alone"])
+                        row["added_us"] = row["layer_us"] - row["ref_us"] - row["torch_alone_us"]
+                    if "api async" in times:
+                        row["api_async_us"] = statistics.median(times["api async"])
                     results.append(row)
                     progress.advance(task)
                     if rank == 0:
@@ -215,7 +238,7 @@ def main() -> int:
                                       highlight=False, markup=False)
     if rank == 0:
         for layer, (name, ref_name) in layers.items():
-            alone = "; torch alone" if layer == "torch" else ""
+            alone = "; torch alone) added" if layer == "torch" else ")"
             table = Table(title=f"{name} / {ref_name}, {world} ranks, back to back, median of {args.rounds} "
                                 f"rounds (times in us: {name} / {ref_name}{alone})")
             table.add_column("op")
@@ -225,10 +248,17 @@ def main() -> int:
                 cells = []
                 for nbytes in sizes:
                     row = next(r for r in results if (r["layer"], r["op"], r["bytes"]) == (layer, op, nbytes))
-                    alone = f"; {row['torch_alone_us']:.1f}" if "torch_alone_us" in row else ""
-                    cells.append(f"{row['ratio']:.2f}x ({row['layer_us']:.1f} / {row['ref_us']:.1f}{alone})")
+                    alone = (f"; {row['torch_alone_us']:.1f}) {row['added_us']:+.2f}" if "added_us" in row
+                             else ")")
+                    cells.append(f"{row['ratio']:.2f}x ({row['layer_us']:.1f} / {row['ref_us']:.1f}{alone}")
                 table.add_row(op, *cells)
             Console(width=200).print(table)
+            floors = [r for r in results if r["layer"] == layer and "api_async_us" in r]
+            if floors:
+                Console(width=200).print("send/recv floor (torch's are async): API isend/irecv + wait "
+                                         + ", ".join(f"{label(r['bytes'])} {r['api_async_us']:.2f} us "
+                                                     f"({r['api_async_us'] - r['ref_us']:+.2f} over the blocking "
+                                                     f"API)" for r in floors), highlight=False)
         if args.json:
             write_json(args.json, {"benchmark": "layers", "world_size": world, "rounds": args.rounds,
                                    "backends": mcrdl.live_backends(),

@@ -11,13 +11,18 @@
 // is made (track) and, on MPI, waited for (finished) here too.
 // Beats is the watchdog's heartbeat (watchdog.py), sent from a thread that never
 // takes the GIL.
+// TorchMethod is ProcessGroupMCRDL's (integrations/torch_backend.py) common
+// calls in C: it reads torch's options struct and calls the driver without a
+// Python frame, and hands every other call to the Python method it stands for.
 #include <Python.h>
 #include <structmember.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/utils/object_ptr.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -349,6 +354,7 @@ typedef PyObject *(*start_fn)(PyObject *starter, void *const *addr, PyObject *co
 PyTypeObject *starter_type = nullptr;
 start_fn starter_start = nullptr;
 
+PyObject *s_runtime, *s_run_op, *s_g, *s_coalescing, *s_ranks, *s_work, *s_result, *s_op; // (TorchMethod's)
 PyObject *s_debug, *s_engine, *s_lost, *s_outstanding, *s_observer, *s_world, *s_rank, *s_starters,
     *s_size, *s_enabled, *s_order_before, *s_run, *s_peer;
 
@@ -912,7 +918,9 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
         {&s_debug, "debug"}, {&s_engine, "engine"}, {&s_lost, "lost"}, {&s_outstanding, "outstanding"},
         {&s_observer, "observer"}, {&s_world, "world"}, {&s_rank, "rank"},
         {&s_starters, "starters"}, {&s_size, "size"}, {&s_enabled, "_is_profiler_enabled"},
-        {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_peer, "peer"}};
+        {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_peer, "peer"}, {&s_runtime, "_runtime"},
+        {&s_run_op, "run_op"}, {&s_g, "_g"}, {&s_coalescing, "_coalescing"}, {&s_ranks, "ranks"},
+        {&s_work, "_work"}, {&s_result, "_result"}, {&s_op, "_op"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;
@@ -1214,6 +1222,296 @@ PyTypeObject BeatsType = [] {
     return t;
 }();
 
+// -- ProcessGroupMCRDL's common calls ---------------------------------------------------------
+// TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds)
+// stands for one of ProcessGroupMCRDL's methods (``fallback``, the Python one):
+// called as pg.<method>(...) by torch's Python or through its C++ trampoline,
+// it does what the Python method does for the common case (one tensor, a
+// reduction mcrdl has, a root or peer in the group, no split sizes, outside a
+// coalescing block): reads torch's options struct in C++ (from Python each
+// field is a pybind property, 0.3 us a read), calls the driver (api.run_op)
+// and returns None for a blocking call or an MCRDLTorchWork. Any other call,
+// and any call with keywords, goes to the Python method, which also names every
+// bad input; so both give the same results and errors. So does any call
+// made while dynamo's frame hook is live (frames_hooked).
+enum TorchKind { T_ALLREDUCE, T_BROADCAST, T_ALLGATHER, T_REDUCE_SCATTER, T_ALL_TO_ALL, T_SEND, T_RECV, T_KINDS };
+
+struct TorchMethod {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    int kind;
+    PyObject *op, *name, *fallback, *api_globals, *work_type, *work_init, *reduce_kinds;
+};
+
+
+// The one tensor of torch's list (tensors[0] of a one-item list), else nullptr.
+PyObject *only_tensor(PyObject *tensors)
+{
+    if (!PyList_CheckExact(tensors) || PyList_GET_SIZE(tensors) != 1)
+        return nullptr;
+    PyObject *t = PyList_GET_ITEM(tensors, 0);
+    return THPVariable_Check(t) && THPVariable_Unpack(t).layout() == at::kStrided ? t : nullptr;
+}
+
+// mcrdl's ReduceOp of torch's (borrowed), else nullptr (PREMUL_SUM, BAND ...).
+PyObject *reduction(const TorchMethod *m, const c10d::ReduceOp &op)
+{
+    THPObjectPtr kind(PyLong_FromLong(static_cast<long>(op.op_)));
+    return kind ? PyDict_GetItemWithError(m->reduce_kinds, kind.get()) : nullptr;
+}
+
+// The global rank at group rank ``at`` (an int or a Python int), else nullptr.
+PyObject *global_rank(PyObject *g, long long at)
+{
+    THPObjectPtr ranks(get(g, s_ranks));
+    if (!ranks || !PyTuple_CheckExact(ranks.get()) || at < 0 || at >= PyTuple_GET_SIZE(ranks.get()))
+        return nullptr;
+    PyObject *r = PyTuple_GET_ITEM(ranks.get(), at);
+    Py_INCREF(r);
+    return r;
+}
+
+template <typename Options> const Options *options(PyObject *opts)
+{
+    try {
+        return &py::cast<const Options &>(py::handle(opts));
+    } catch (const py::cast_error &) {
+        return nullptr;
+    }
+}
+
+// The call as TorchMethod runs it; nullptr without an error: the Python method's.
+PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
+{
+    if (n < 2)
+        return nullptr;
+    PyObject *self = args[0];
+    PyObject *rt = PyDict_GetItemWithError(m->api_globals, s_runtime),
+             *run_op = rt ? PyDict_GetItemWithError(m->api_globals, s_run_op) : nullptr;
+    if (run_op == nullptr || rt == Py_None)
+        return nullptr;
+    THPObjectPtr coalescing(get(self, s_coalescing));
+    if (!coalescing || coalescing.get() != Py_None)
+        return nullptr;
+    THPObjectPtr g(get(self, s_g));
+    if (!g)
+        return nullptr;
+    bool async_op = true;
+    PyObject *out = nullptr;  // the tensor the Work's result lists
+    THPObjectPtr tensors, fixed, peer;
+    PyObject *opts = Py_None;
+    switch (m->kind) {
+    case T_ALLREDUCE:
+    case T_BROADCAST: {
+        if (n > 3 || (out = only_tensor(args[1])) == nullptr)
+            return nullptr;
+        opts = n == 3 ? args[2] : Py_None;
+        PyObject *what; // the reduction, or the root's global rank
+        if (m->kind == T_ALLREDUCE) {
+            const c10d::AllreduceOptions *o = opts == Py_None ? nullptr : options<c10d::AllreduceOptions>(opts);
+            if (opts != Py_None && o == nullptr)
+                return nullptr;
+            what = o == nullptr ? SUM : reduction(m, o->reduceOp);
+            Py_XINCREF(what);
+            async_op = o == nullptr || o->asyncOp;
+        } else {
+            const c10d::BroadcastOptions *o = opts == Py_None ? nullptr : options<c10d::BroadcastOptions>(opts);
+            if ((opts != Py_None && o == nullptr) || (o != nullptr && o->rootTensor != 0))
+                return nullptr;
+            what = global_rank(g.get(), o == nullptr ? 0 : o->rootRank);
+            async_op = o == nullptr || o->asyncOp;
+        }
+        if (what == nullptr)
+            return nullptr;
+        fixed = THPObjectPtr(PyTuple_Pack(1, what));
+        Py_DECREF(what);
+        tensors = THPObjectPtr(fixed ? PyTuple_Pack(1, out) : nullptr);
+        break;
+    }
+    case T_ALLGATHER:
+    case T_REDUCE_SCATTER:
+    case T_ALL_TO_ALL: {
+        Py_ssize_t n_opts = m->kind == T_ALL_TO_ALL ? 5 : 3;
+        if (n > n_opts + 1 || n < n_opts)
+            return nullptr;
+        if (m->kind == T_ALL_TO_ALL && (!PyList_CheckExact(args[3]) || PyList_GET_SIZE(args[3]) != 0
+                                        || !PyList_CheckExact(args[4]) || PyList_GET_SIZE(args[4]) != 0))
+            return nullptr; // (split sizes: the Python method converts them)
+        out = args[1];
+        opts = n == n_opts + 1 ? args[n_opts] : Py_None;
+        if (m->kind == T_REDUCE_SCATTER) {
+            const c10d::ReduceScatterOptions *o = opts == Py_None ? nullptr : options<c10d::ReduceScatterOptions>(opts);
+            if (opts != Py_None && o == nullptr)
+                return nullptr;
+            PyObject *rop = o == nullptr ? SUM : reduction(m, o->reduceOp);
+            if (rop == nullptr)
+                return nullptr;
+            fixed = THPObjectPtr(PyTuple_Pack(1, rop));
+            async_op = o == nullptr || o->asyncOp;
+        } else if (m->kind == T_ALLGATHER) {
+            const c10d::AllgatherOptions *o = opts == Py_None ? nullptr : options<c10d::AllgatherOptions>(opts);
+            if (opts != Py_None && o == nullptr)
+                return nullptr;
+            async_op = o == nullptr || o->asyncOp;
+            Py_INCREF(D.empty);
+            fixed = THPObjectPtr(D.empty);
+        } else {
+            const c10d::AllToAllOptions *o = opts == Py_None ? nullptr : options<c10d::AllToAllOptions>(opts);
+            if (opts != Py_None && o == nullptr)
+                return nullptr;
+            async_op = o == nullptr || o->asyncOp;
+            Py_INCREF(D.empty);
+            fixed = THPObjectPtr(D.empty);
+        }
+        tensors = THPObjectPtr(fixed ? PyTuple_Pack(2, args[1], args[2]) : nullptr);
+        break;
+    }
+    case T_SEND:
+    case T_RECV: { // (tensors, peer, tag=0): always async
+        if (n > 4 || n < 3 || (out = only_tensor(args[1])) == nullptr || !PyLong_CheckExact(args[2])
+            || (n == 4 && !PyLong_CheckExact(args[3])))
+            return nullptr;
+        long long at = PyLong_AsLongLong(args[2]);
+        if (at == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return nullptr;
+        }
+        peer = THPObjectPtr(global_rank(g.get(), at));
+        if (!peer)
+            return nullptr;
+        fixed = THPObjectPtr(PyTuple_Pack(2, peer.get(), n == 4 ? args[3] : D.zero));
+        tensors = THPObjectPtr(fixed ? PyTuple_Pack(1, out) : nullptr);
+        break;
+    }
+    default:
+        return nullptr;
+    }
+    if (!tensors) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return nullptr;
+    }
+    PyObject *call[7] = {rt, m->op, g.get(), async_op ? Py_True : Py_False, Py_None, tensors.get(), fixed.get()};
+    THPObjectPtr work(PyObject_Vectorcall(run_op, call, 7, nullptr));
+    if (!work)
+        return nullptr;
+    if (!async_op)
+        Py_RETURN_NONE; // torch waits only on a Work it gets
+    THPObjectPtr result(PyList_New(1));
+    if (!result)
+        return nullptr;
+    Py_INCREF(out);
+    PyList_SET_ITEM(result.get(), 0, out);
+    // MCRDLTorchWork(work, result, name), made as its __init__ does without its frame
+    PyTypeObject *type = reinterpret_cast<PyTypeObject *>(m->work_type);
+    THPObjectPtr made(type->tp_new(type, D.empty, nullptr));
+    PyObject *self_arg[1] = {made.get()};
+    THPObjectPtr base(made ? PyObject_Vectorcall(m->work_init, self_arg, 1, nullptr) : nullptr);
+    if (!base || PyObject_SetAttr(made.get(), s_work, work.get()) < 0
+        || PyObject_SetAttr(made.get(), s_result, result.get()) < 0 || PyObject_SetAttr(made.get(), s_op, m->name) < 0)
+        return nullptr;
+    return made.release();
+}
+
+// Is a frame evaluator other than CPython's installed? dynamo's is, while a
+// compiled function runs (its graph breaks run eagerly): the Python method
+// then runs, whose frame torch_backend.py marks for dynamo to skip with all it
+// calls; from here the driver's Python (ops.run ...) would be traced.
+bool frames_hooked()
+{
+    return _PyInterpreterState_GetEvalFrameFunc(PyInterpreterState_Get()) != _PyEval_EvalFrameDefault;
+}
+
+PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    const TorchMethod *m = reinterpret_cast<TorchMethod *>(callable);
+    if ((kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0) && !frames_hooked()) {
+        PyObject *out = torch_fast(m, args, PyVectorcall_NARGS(nargsf));
+        if (out != nullptr || PyErr_Occurred())
+            return out;
+    }
+    return PyObject_Vectorcall(m->fallback, args, nargsf, kwnames);
+}
+
+PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    int kind;
+    PyObject *op, *name, *fallback, *api_globals, *work_type, *work_init, *reduce_kinds;
+    if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+        PyErr_SetString(PyExc_TypeError, "TorchMethod takes no keyword arguments");
+        return nullptr;
+    }
+    if (!PyArg_ParseTuple(args, "iOUOO!O!OO!:TorchMethod", &kind, &op, &name, &fallback, &PyDict_Type, &api_globals,
+                          &PyType_Type, &work_type, &work_init, &PyDict_Type, &reduce_kinds))
+        return nullptr;
+    if (kind < 0 || kind >= T_KINDS || !PyCallable_Check(fallback) || !PyCallable_Check(work_init)) {
+        PyErr_Format(PyExc_ValueError, "TorchMethod: a kind of 0-%d, a function, a type and its base's __init__",
+                     T_KINDS - 1);
+        return nullptr;
+    }
+    if (D.slow == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "TorchMethod: setup() has not run");
+        return nullptr;
+    }
+    TorchMethod *m = reinterpret_cast<TorchMethod *>(type->tp_alloc(type, 0));
+    if (m == nullptr)
+        return nullptr;
+    m->vectorcall = torch_method_call;
+    m->kind = kind;
+    PyObject **fields[] = {&m->op, &m->name, &m->fallback, &m->api_globals, &m->work_type, &m->work_init,
+                           &m->reduce_kinds};
+    PyObject *given[] = {op, name, fallback, api_globals, work_type, work_init, reduce_kinds};
+    for (size_t i = 0; i < 7; i++) {
+        Py_INCREF(given[i]);
+        *fields[i] = given[i];
+    }
+    return reinterpret_cast<PyObject *>(m);
+}
+
+void torch_method_dealloc(TorchMethod *m)
+{
+    Py_XDECREF(m->op);
+    Py_XDECREF(m->name);
+    Py_XDECREF(m->fallback);
+    Py_XDECREF(m->api_globals);
+    Py_XDECREF(m->work_type);
+    Py_XDECREF(m->work_init);
+    Py_XDECREF(m->reduce_kinds);
+    Py_TYPE(m)->tp_free(reinterpret_cast<PyObject *>(m));
+}
+
+// As a function's: pg.method is bound (pybind's trampoline then sees a Python override).
+PyObject *torch_method_get(PyObject *self, PyObject *obj, PyObject *)
+{
+    if (obj == nullptr || obj == Py_None) {
+        Py_INCREF(self);
+        return self;
+    }
+    return PyMethod_New(self, obj);
+}
+
+PyMemberDef torch_method_members[] = {
+    {"__wrapped__", T_OBJECT, offsetof(TorchMethod, fallback), READONLY, "the Python method"},
+    {"op_name", T_OBJECT, offsetof(TorchMethod, name), READONLY, "the op name its Works carry"},
+    {nullptr, 0, 0, 0, nullptr},
+};
+
+PyTypeObject TorchMethodType = [] {
+    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "mcrdl_facts.TorchMethod";
+    t.tp_basicsize = sizeof(TorchMethod);
+    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
+    t.tp_doc = "TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds): "
+               "a ProcessGroupMCRDL method's common calls in C";
+    t.tp_new = torch_method_new;
+    t.tp_dealloc = reinterpret_cast<destructor>(torch_method_dealloc);
+    t.tp_vectorcall_offset = offsetof(TorchMethod, vectorcall);
+    t.tp_call = PyVectorcall_Call;
+    t.tp_descr_get = torch_method_get;
+    t.tp_members = torch_method_members;
+    return t;
+}();
+
 PyMethodDef methods[] = {
     {"key", key, METH_O, nullptr},
     {"plan_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(plan_key)), METH_FASTCALL, nullptr},
@@ -1233,14 +1531,13 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_facts", nullptr, -1, methods
 
 PyMODINIT_FUNC PyInit_mcrdl_facts(void)
 {
-    if (PyType_Ready(&BeatsType) < 0)
+    if (PyType_Ready(&BeatsType) < 0 || PyType_Ready(&TorchMethodType) < 0)
         return nullptr;
     PyObject *m = PyModule_Create(&module);
     if (m == nullptr)
         return nullptr;
-    Py_INCREF(&BeatsType);
-    if (PyModule_AddObject(m, "Beats", reinterpret_cast<PyObject *>(&BeatsType)) < 0) {
-        Py_DECREF(&BeatsType);
+    if (PyModule_AddObjectRef(m, "Beats", reinterpret_cast<PyObject *>(&BeatsType)) < 0
+        || PyModule_AddObjectRef(m, "TorchMethod", reinterpret_cast<PyObject *>(&TorchMethodType)) < 0) {
         Py_DECREF(m);
         return nullptr;
     }

@@ -28,6 +28,8 @@ else:
 rank, world = dist.get_rank(), dist.get_world_size()
 check(dist.get_backend() == "mcrdl", "torch backend", dist.get_backend())
 check((rank, world) == (mcrdl.get_rank(), mcrdl.get_world_size()), "ranks agree")
+layer = type(vars(tb.ProcessGroupMCRDL)["allreduce"]).__name__  # TorchMethod: facts.cpp serves the common calls
+print(f"rank {rank}: torch layer {'compiled' if layer == 'TorchMethod' else 'python'}")
 ranks = list(range(world))
 R = dist.ReduceOp
 TORCH_OPS = {"sum": R.SUM, "max": R.MAX, "min": R.MIN, "product": R.PRODUCT, "avg": R.AVG}

@@ -37,6 +37,7 @@ See docs/torch_backend.md for the supported ops and the limits.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
@@ -45,7 +46,7 @@ import mcrdl_torch_plugin as plugin_module
 import torch
 import torch.distributed as dist
 
-from .. import api, ops
+from .. import api, facts, ops
 from ..runtime import Group
 from ..types import ReduceOp, UnsupportedError
 
@@ -258,7 +259,7 @@ class MCRDLTorchWork(dist.Work):
 
     _future: Optional[torch.futures.Future] = None  # made by get_future()
 
-    def __init__(self, work, result, op: str):
+    def __init__(self, work, result, op: str):  # (facts.cpp's TorchMethod makes one alike, without this frame)
         dist.Work.__init__(self)
         self._work = work  # mcrdl Work, or None when the op already completed
         self._result = result
@@ -317,6 +318,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         self._coalescing: Optional[list] = None  # works started inside _start/_end_coalescing
         self._group_name = ""
         self._group_desc = ""
+        _compile_methods()
 
     # -- identity -------------------------------------------------------------------------
     # torch keeps a group's name in its C++ backends; a Python group has none,
@@ -603,3 +605,28 @@ def _run_outside_dynamo(*classes) -> None:
 
 
 _run_outside_dynamo(ProcessGroupMCRDL, MCRDLTorchWork)
+
+#: The methods facts.cpp's TorchMethod serves (its kinds, in order) and their ops.
+_COMPILED = (("allreduce", ops.ALL_REDUCE), ("broadcast", ops.BROADCAST),
+             ("all_gather_single", ops.ALL_GATHER_INTO_TENSOR),
+             ("reduce_scatter_single", ops.REDUCE_SCATTER_TENSOR), ("all_to_all_single", ops.ALL_TO_ALL_SINGLE),
+             ("send", ops.ISEND), ("recv", ops.IRECV))
+
+
+@functools.cache  # once per process, after mcrdl's init has set the compiled driver up
+def _compile_methods() -> bool:
+    """Serve the common calls of :data:`_COMPILED`'s methods from facts.cpp
+    (``TorchMethod``: torch's options read in C++, the driver called without a
+    Python frame); every other call still runs the Python method, which the
+    compiled one falls back to. False without the compiled facts."""
+    native = facts.load()
+    if native is facts:
+        return False
+    for kind, (method, op) in enumerate(_COMPILED):
+        python = vars(ProcessGroupMCRDL)[method]
+        compiled = native.TorchMethod(kind, op, method, python, vars(api), MCRDLTorchWork, dist.Work.__init__,
+                                      _REDUCE_KINDS)
+        for name, value in list(vars(ProcessGroupMCRDL).items()):
+            if value is python:  # its older names too (_allgather_base ...)
+                setattr(ProcessGroupMCRDL, name, compiled)
+    return True
