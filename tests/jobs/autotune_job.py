@@ -236,8 +236,17 @@ def subgroups():
     """Calls on overlapping subgroups interleave differently on each rank."""
     lo, hi, tail = mcrdl.new_group([0, 1]), mcrdl.new_group([2, 3]), mcrdl.new_group([1, 2, 3])
     mine = [(g, r) for g, r in ((lo, [0, 1]), (hi, [2, 3]), (tail, [1, 2, 3])) if rank in r]
+    rt = api._runtime
+
+    def any_rank_exploring():
+        """Every rank goes on while any rank's groups explore: each sees only its own
+        groups, and lo's and hi's trials (blocks agreed from each group's timings) may
+        end at different rounds; a rank that stopped first would leave the others' tail
+        and world calls unmatched (seen: its control_allgather met their all_reduce)."""
+        return bool(rt.control_max(rt.world, int(any(exploring(g) for g, _ in mine) or exploring())))
+
     i = 0
-    while i < 2 or any(exploring(g) for g, _ in mine) or exploring():
+    while i < 2 or any_rank_exploring():
         check(i < 600, "exploration does not end", tuner.report())
         for g, r in (mine if i % 3 else mine[::-1]):
             run_ops(g, r, 255 + (i % 2), i)
