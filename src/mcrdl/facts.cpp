@@ -1243,7 +1243,6 @@ struct TorchMethod {
     PyObject *op, *name, *fallback, *api_globals, *work_type, *work_init, *reduce_kinds;
 };
 
-
 // The one tensor of torch's list (tensors[0] of a one-item list), else nullptr.
 PyObject *only_tensor(PyObject *tensors)
 {
@@ -1422,8 +1421,7 @@ bool frames_hooked()
     return _PyInterpreterState_GetEvalFrameFunc(PyInterpreterState_Get()) != _PyEval_EvalFrameDefault;
 }
 
-PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
+PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) try {
     const TorchMethod *m = reinterpret_cast<TorchMethod *>(callable);
     if ((kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0) && !frames_hooked()) {
         PyObject *out = torch_fast(m, args, PyVectorcall_NARGS(nargsf));
@@ -1431,6 +1429,9 @@ PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t na
             return out;
     }
     return PyObject_Vectorcall(m->fallback, args, nargsf, kwnames);
+} catch (const std::exception &e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
 }
 
 PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
