@@ -151,11 +151,16 @@ def _umask():
 def serve(path):
     """Import torch, then fork a rank per request on ``path``; returns, in a child,
     the request the child is to run. The server exits once its pytest is gone."""
+    import gc
     import importlib
     import selectors
 
     for module in PRELOADED:
         importlib.import_module(module)
+    # Out of the collector's reach, torch's objects are not touched by a rank's
+    # collections, so its pages stay shared with the server instead of being
+    # copied: 10 two-rank jobs took 11.5-12.0 CPU s in servers and ranks, 24.1 before.
+    gc.freeze()
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
