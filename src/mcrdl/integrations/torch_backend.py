@@ -31,7 +31,9 @@ torch's ``PyProcessGroup`` trampoline forwards to Python (``allreduce``,
 driver (:data:`mcrdl.api.run_op`, what the API's functions call, with the op's
 :mod:`mcrdl.ops` description) and returns a :class:`MCRDLTorchWork` (a Python ``torch.distributed.Work``) whose
 ``wait()`` drives mcrdl's progress engine and whose ``get_future()`` is
-completed by mcrdl's futures thread, as DDP requires.
+completed by mcrdl's futures thread, as DDP requires. With mcrdl's compiled
+helpers loaded, the common calls of the ops torch calls most (:data:`_COMPILED`)
+run in C (facts.cpp's ``TorchMethod``) and every other call in these methods.
 
 See docs/torch_backend.md for the supported ops and the limits.
 """
