@@ -1263,8 +1263,10 @@ PyObject *reduction(const TorchMethod *m, const c10d::ReduceOp &op)
 PyObject *global_rank(PyObject *g, long long at)
 {
     THPObjectPtr ranks(get(g, s_ranks));
-    if (!ranks || !PyTuple_CheckExact(ranks.get()) || at < 0 || at >= PyTuple_GET_SIZE(ranks.get()))
+    if (!ranks || !PyTuple_CheckExact(ranks.get()) || at < 0 || at >= PyTuple_GET_SIZE(ranks.get())) {
+        PyErr_Clear();
         return nullptr;
+    }
     PyObject *r = PyTuple_GET_ITEM(ranks.get(), at);
     Py_INCREF(r);
     return r;
@@ -1284,17 +1286,18 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
 {
     if (n < 2)
         return nullptr;
-    PyObject *self = args[0];
-    PyObject *rt = PyDict_GetItemWithError(m->api_globals, s_runtime),
-             *run_op = rt ? PyDict_GetItemWithError(m->api_globals, s_run_op) : nullptr;
-    if (run_op == nullptr || rt == Py_None)
+    PyObject *self = args[0], *found = PyDict_GetItemWithError(m->api_globals, s_runtime);
+    THPObjectPtr rt(found == nullptr || found == Py_None ? nullptr : Py_NewRef(found));
+    found = rt ? PyDict_GetItemWithError(m->api_globals, s_run_op) : nullptr;
+    THPObjectPtr run_op(found == nullptr ? nullptr : Py_NewRef(found));
+    if (!run_op)
         return nullptr;
-    THPObjectPtr coalescing(get(self, s_coalescing));
-    if (!coalescing || coalescing.get() != Py_None)
+    // (no such attribute: the Python method names the problem)
+    THPObjectPtr coalescing(get(self, s_coalescing)), g(coalescing ? get(self, s_g) : nullptr);
+    if (!g || coalescing.get() != Py_None) {
+        PyErr_Clear();
         return nullptr;
-    THPObjectPtr g(get(self, s_g));
-    if (!g)
-        return nullptr;
+    }
     bool async_op = true;
     PyObject *out = nullptr;  // the tensor the Work's result lists
     THPObjectPtr tensors, fixed, peer;
@@ -1337,6 +1340,8 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
                                         || !PyList_CheckExact(args[4]) || PyList_GET_SIZE(args[4]) != 0))
             return nullptr; // (split sizes: the Python method converts them)
         out = args[1];
+        if (m->kind == T_REDUCE_SCATTER && !THPVariable_Check(out))
+            return nullptr; // (the Python method reads its dtype first)
         opts = n == n_opts + 1 ? args[n_opts] : Py_None;
         if (m->kind == T_REDUCE_SCATTER) {
             const c10d::ReduceScatterOptions *o = opts == Py_None ? nullptr : options<c10d::ReduceScatterOptions>(opts);
@@ -1390,8 +1395,8 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
             PyErr_NoMemory();
         return nullptr;
     }
-    PyObject *call[7] = {rt, m->op, g.get(), async_op ? Py_True : Py_False, Py_None, tensors.get(), fixed.get()};
-    THPObjectPtr work(PyObject_Vectorcall(run_op, call, 7, nullptr));
+    PyObject *call[7] = {rt.get(), m->op, g.get(), async_op ? Py_True : Py_False, Py_None, tensors.get(), fixed.get()};
+    THPObjectPtr work(PyObject_Vectorcall(run_op.get(), call, 7, nullptr));
     if (!work)
         return nullptr;
     if (!async_op)
@@ -1423,6 +1428,10 @@ bool frames_hooked()
 
 PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) try {
     const TorchMethod *m = reinterpret_cast<TorchMethod *>(callable);
+    if (m->fallback == nullptr) { // (cleared by the collector: only a dying cycle holds it)
+        PyErr_SetString(PyExc_RuntimeError, "TorchMethod: called after it was cleared");
+        return nullptr;
+    }
     if ((kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0) && !frames_hooked()) {
         PyObject *out = torch_fast(m, args, PyVectorcall_NARGS(nargsf));
         if (out != nullptr || PyErr_Occurred())
@@ -1469,15 +1478,35 @@ PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return reinterpret_cast<PyObject *>(m);
 }
 
+// (it holds the class's own method and the api module's globals: a cycle the collector may break)
+int torch_method_traverse(TorchMethod *m, visitproc visit, void *arg)
+{
+    Py_VISIT(m->op);
+    Py_VISIT(m->name);
+    Py_VISIT(m->fallback);
+    Py_VISIT(m->api_globals);
+    Py_VISIT(m->work_type);
+    Py_VISIT(m->work_init);
+    Py_VISIT(m->reduce_kinds);
+    return 0;
+}
+
+int torch_method_clear(TorchMethod *m)
+{
+    Py_CLEAR(m->op);
+    Py_CLEAR(m->name);
+    Py_CLEAR(m->fallback);
+    Py_CLEAR(m->api_globals);
+    Py_CLEAR(m->work_type);
+    Py_CLEAR(m->work_init);
+    Py_CLEAR(m->reduce_kinds);
+    return 0;
+}
+
 void torch_method_dealloc(TorchMethod *m)
 {
-    Py_XDECREF(m->op);
-    Py_XDECREF(m->name);
-    Py_XDECREF(m->fallback);
-    Py_XDECREF(m->api_globals);
-    Py_XDECREF(m->work_type);
-    Py_XDECREF(m->work_init);
-    Py_XDECREF(m->reduce_kinds);
+    PyObject_GC_UnTrack(m);
+    torch_method_clear(m);
     Py_TYPE(m)->tp_free(reinterpret_cast<PyObject *>(m));
 }
 
@@ -1493,7 +1522,7 @@ PyObject *torch_method_get(PyObject *self, PyObject *obj, PyObject *)
 
 PyMemberDef torch_method_members[] = {
     {"__wrapped__", T_OBJECT, offsetof(TorchMethod, fallback), READONLY, "the Python method"},
-    {"op_name", T_OBJECT, offsetof(TorchMethod, name), READONLY, "the op name its Works carry"},
+    {"__name__", T_OBJECT, offsetof(TorchMethod, name), READONLY, "the method's name (its Works' op name)"},
     {nullptr, 0, 0, 0, nullptr},
 };
 
@@ -1501,11 +1530,13 @@ PyTypeObject TorchMethodType = [] {
     PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
     t.tp_name = "mcrdl_facts.TorchMethod";
     t.tp_basicsize = sizeof(TorchMethod);
-    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
+    t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
     t.tp_doc = "TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds): "
                "a ProcessGroupMCRDL method's common calls in C";
     t.tp_new = torch_method_new;
     t.tp_dealloc = reinterpret_cast<destructor>(torch_method_dealloc);
+    t.tp_traverse = reinterpret_cast<traverseproc>(torch_method_traverse);
+    t.tp_clear = reinterpret_cast<inquiry>(torch_method_clear);
     t.tp_vectorcall_offset = offsetof(TorchMethod, vectorcall);
     t.tp_call = PyVectorcall_Call;
     t.tp_descr_get = torch_method_get;
