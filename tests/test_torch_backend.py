@@ -80,12 +80,14 @@ def test_one_process_without_a_launcher():
     assert "ONE OK" in out
 
 
-@pytest.mark.parametrize("default_backend,layer", [("mpi", "compiled"), ("gloo", "python")])
-def test_torch_collectives_match_references(default_backend, layer):
-    """Both forms of the torch layer: facts.cpp's TorchMethods, and the Python
-    methods alone (MCRDL_NATIVE=0), which the compiled ones fall back to."""
+@pytest.mark.parametrize("default_backend,layer,launcher", [
+    ("mpi", "compiled", "mpiexec"), ("gloo", "compiled", "torchrun"), ("gloo", "python", "mpiexec")])
+def test_torch_collectives_match_references(default_backend, layer, launcher):
+    """Both forms of the torch layer: facts.cpp's TorchMethods (under mcrdl run's
+    mpiexec and under torchrun), and the Python methods alone (MCRDL_NATIVE=0),
+    which the compiled ones fall back to."""
     env = {"MCRDL_NATIVE": "0"} if layer == "python" else {}
-    out = run_job(2, "torch_backend_ops_job.py", default_backend, timeout=300, env=env)
+    out = run_job(2, "torch_backend_ops_job.py", default_backend, timeout=300, env=env, launcher=launcher)
     out.require(["torch backend ops finished"], range(2))
     assert out.count(f"torch layer {layer}") == 2, out[-2000:]
 
