@@ -1281,6 +1281,15 @@ template <typename Options> const Options *options(PyObject *opts)
     }
 }
 
+// Whether torch's options ``opts`` (None: torch's default) ask for an async op; -1: not such options.
+template <typename Options> int asynchronous(PyObject *opts)
+{
+    if (opts == Py_None)
+        return 1;
+    const Options *o = options<Options>(opts);
+    return o == nullptr ? -1 : o->asyncOp;
+}
+
 // The call as TorchMethod runs it; nullptr without an error: the Python method's.
 PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
 {
@@ -1352,20 +1361,13 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
                 return nullptr;
             fixed = THPObjectPtr(PyTuple_Pack(1, rop));
             async_op = o == nullptr || o->asyncOp;
-        } else if (m->kind == T_ALLGATHER) {
-            const c10d::AllgatherOptions *o = opts == Py_None ? nullptr : options<c10d::AllgatherOptions>(opts);
-            if (opts != Py_None && o == nullptr)
-                return nullptr;
-            async_op = o == nullptr || o->asyncOp;
-            Py_INCREF(D.empty);
-            fixed = THPObjectPtr(D.empty);
         } else {
-            const c10d::AllToAllOptions *o = opts == Py_None ? nullptr : options<c10d::AllToAllOptions>(opts);
-            if (opts != Py_None && o == nullptr)
+            int async_of = m->kind == T_ALLGATHER ? asynchronous<c10d::AllgatherOptions>(opts)
+                                                  : asynchronous<c10d::AllToAllOptions>(opts);
+            if (async_of < 0)
                 return nullptr;
-            async_op = o == nullptr || o->asyncOp;
-            Py_INCREF(D.empty);
-            fixed = THPObjectPtr(D.empty);
+            async_op = async_of == 1;
+            fixed = THPObjectPtr(Py_NewRef(D.empty));
         }
         tensors = THPObjectPtr(fixed ? PyTuple_Pack(2, args[1], args[2]) : nullptr);
         break;
