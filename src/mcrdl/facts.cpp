@@ -606,13 +606,16 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
     return mine.release();
 }
 
-// track(engine, g, name, backend, pending, reads, writes, result, spans, peer):
+// track(engine, g, name, backend, pending, reads, writes, result, spans, peer, done):
 // Engine.run for a started async op, compiled: its Work, made here with every
 // slot Work.__init__ sets, added to the engine's outstanding works (and its
-// library to the engine's progress domains) under the engine's lock. None:
-// Work is not adopted, or a member of the group died meanwhile: Engine.run's turn.
+// library to the engine's progress domains) under the engine's lock. ``done``:
+// the op completed in its start (an MPI request its first test found done):
+// its Work is made as finished() leaves one, and no other thread ever sees it
+// outstanding. None: Work is not adopted, or a member of the group died
+// meanwhile: Engine.run's turn.
 PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend, PyObject *pending, PyObject *reads,
-                PyObject *writes, PyObject *result, PyObject *spans, PyObject *peer)
+                PyObject *writes, PyObject *result, PyObject *spans, PyObject *peer, bool done)
 {
     int lost = W.type != nullptr ? truth(engine, s_lost) : 1;
     if (lost != 0)
@@ -624,18 +627,24 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now); // (time.monotonic()'s clock)
     THPObjectPtr deadline(PyFloat_FromDouble(static_cast<double>(now.tv_sec) + now.tv_nsec * 1e-9 + seconds));
-    THPObjectPtr domain(deadline ? PyObject_GetAttr(pending, W.s_domain) : nullptr);
-    THPObjectPtr work(domain ? W.type->tp_alloc(W.type, 0) : nullptr);
+    THPObjectPtr domain(deadline && !done ? PyObject_GetAttr(pending, W.s_domain) : nullptr);
+    THPObjectPtr work(domain || (deadline && done) ? W.type->tp_alloc(W.type, 0) : nullptr);
     if (!work)
         return nullptr;
     PyObject *o = work.get();
+    int receive = done ? PySet_Contains(W.receives, name) : 1;
+    if (receive < 0)
+        return nullptr;
     struct { Py_ssize_t at; PyObject *value; } slots[] = {
-        {W.op, name}, {W.backend, backend}, {W.group, g}, {W.peer, peer}, {W.engine, engine}, {W.pending, pending},
-        {W.post, W.empty}, {W.reads, reads}, {W.writes, writes}, {W.deadline, deadline.get()}, {W.done, Py_False},
-        {W.error, Py_None}, {W.result, result}, {W.future, Py_None}, {W.settled, Py_False}, {W.spans, spans},
-        {W.stream, Py_None}};
+        {W.op, name}, {W.backend, backend}, {W.group, g}, {W.peer, peer}, {W.engine, engine},
+        {W.pending, receive ? pending : Py_None}, // (a receive's request still names its sender)
+        {W.post, W.empty}, {W.reads, reads}, {W.writes, writes}, {W.deadline, deadline.get()},
+        {W.done, done ? Py_True : Py_False}, {W.error, Py_None}, {W.result, result}, {W.future, Py_None},
+        {W.settled, Py_False}, {W.spans, spans}, {W.stream, Py_None}};
     for (auto &entry : slots)
         put(o, entry.at, entry.value);
+    if (done)
+        return work.release();
     THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
     if (!lock || !acquire(lock.get()))
         return nullptr;
@@ -656,6 +665,27 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
     if (!release(lock.get()) || !ok)
         return nullptr;
     return work.release();
+}
+
+// nullptr with the CommError naming the op and backend (ops.could_not_start)
+// in place of the error being raised: an async start that failed.
+PyObject *unstarted(PyObject *op, PyObject *backend)
+{
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);
+    PyErr_NormalizeException(&type, &value, &trace);
+    if (trace != nullptr)
+        PyException_SetTraceback(value, trace);
+    PyObject *error_args[3] = {op, backend, value};
+    PyObject *error = value ? PyObject_Vectorcall(D.unstarted, error_args, 3, nullptr) : nullptr;
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(trace);
+    if (error != nullptr) {
+        PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(error)), error);
+        Py_DECREF(error);
+    }
+    return nullptr;
 }
 
 // An async call from its plan (ops._from_plan's async branch, with no observer):
@@ -688,28 +718,23 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
         return nullptr;
     THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, 1), &PyTuple_GET_ITEM(tensors, 0),
                                     PyTuple_GET_SIZE(tensors)));
-    if (!pending) { // CommError naming the op and backend, from what the start raised
-        PyObject *type, *value, *trace;
-        PyErr_Fetch(&type, &value, &trace);
-        PyErr_NormalizeException(&type, &value, &trace);
-        if (trace != nullptr)
-            PyException_SetTraceback(value, trace);
-        PyObject *error_args[3] = {op, backend, value};
-        PyObject *error = value ? PyObject_Vectorcall(D.unstarted, error_args, 3, nullptr) : nullptr;
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(trace);
-        if (error != nullptr) {
-            PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(error)), error);
-            Py_DECREF(error);
-        }
-        return nullptr;
+    if (!pending)
+        return unstarted(op, backend);
+    // A send or receive often completes in its start (an eager send, a message
+    // already here): one test, and its Work is born done, never outstanding.
+    bool done = false;
+    if (Py_TYPE(pending.get()) == W.request && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 0) {
+        PyObject *request = pending.get();
+        THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &request, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+        if (!tested) // (the library failed: as a start that raised)
+            return unstarted(op, backend);
+        done = tested.get() == Py_True;
     }
     THPObjectPtr result(PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes.get() : reads.get()));
     if (!result)
         return nullptr;
     PyObject *work = track(engine, g, name, backend, pending.get(), reads.get(), writes.get(), result.get(), spans.get(),
-                           PyTuple_GET_ITEM(plan, 3));
+                           PyTuple_GET_ITEM(plan, 3), done);
     if (work != Py_None)
         return work;
     Py_DECREF(work);
@@ -1403,6 +1428,9 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
         return nullptr;
     if (!async_op)
         Py_RETURN_NONE; // torch waits only on a Work it gets
+    if (W.type != nullptr && Py_TYPE(work.get()) == W.type && slot(work.get(), W.done) == Py_True
+        && slot(work.get(), W.error) == Py_None && slot(work.get(), W.stream) == Py_None)
+        work = THPObjectPtr(Py_NewRef(Py_None)); // (done in its start: the Work stands for a completed op)
     THPObjectPtr result(PyList_New(1));
     if (!result)
         return nullptr;

@@ -16,7 +16,8 @@ import torch
 import mcrdl
 import common
 import verdicts
-from mcrdl import api, ops
+from mcrdl import api, facts, ops
+from mcrdl.integrations.torch_backend import ProcessGroupMCRDL
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
@@ -187,6 +188,50 @@ for backend in args.backends or mcrdl.live_backends("cpu"):
                                                list(engine.outstanding))
                             calls += 1
                 api.run_op = DRIVERS["api"]
+
+def born_done(tries: int = 20) -> int:
+    """Small isends (eager) and irecvs of a message already here complete in their
+    start: the compiled driver makes their Works done, never outstanding
+    (facts.cpp's start_async). Each must behave as a waited Work; how many
+    sends and receives were born done."""
+    nxt, prv, born = (rank + 1) % world, (rank - 1) % world, 0
+    for i in range(tries):
+        src, got = value(rank, 4, torch.float32, i), torch.empty(4)
+        send = mcrdl.isend(src, nxt, tag=1000, backend="mpi")  # (one tag: the calls after the first run from the plan)
+        born += send not in engine.outstanding
+        mcrdl.barrier(backend="mpi")  # (prv's message is here)
+        receive = mcrdl.irecv(got, prv, tag=1000, backend="mpi")
+        born += receive not in engine.outstanding
+        tag = f"[mpi born done try {i}]"
+        for work in (send, receive):
+            verdicts.check(tag + f" {work.op} completes", work.is_completed() and work.wait() and work.is_success()
+                           and work.exception() is None, True, work)
+        verdicts.check_equal(tag + " received", [got, receive.result()[0], receive.get_future().wait()[0]],
+                             [ref(prv, 4, torch.float32, i)] * 3)
+        verdicts.check(tag + " source_rank", receive.source_rank() == prv, prv, receive.source_rank())
+        verdicts.check(tag + " send's result", send.result()[0] is src, "its tensor", send.result())
+        verdicts.check(tag + " leaves nothing outstanding", not engine.outstanding, [], list(engine.outstanding))
+        # torch's send and recv (ProcessGroupMCRDL): a Work born done stands for a completed op
+        got = torch.empty(4)
+        send = torch_group.send([src], nxt, 1001)
+        born += send._work is None
+        mcrdl.barrier(backend="mpi")
+        receive = torch_group.recv([got], prv, 1001)
+        born += receive._work is None
+        for work in (send, receive):
+            verdicts.check(tag + f" torch {work._op} completes", work.is_completed() and work.wait()
+                           and work.is_success() and work.exception() is None, True, work)
+        verdicts.check_equal(tag + " torch received", [got, receive.result()[0], receive.get_future().wait()[0]],
+                             [ref(prv, 4, torch.float32, i)] * 3)
+    return born
+
+
+if "mpi" in (args.backends or mcrdl.live_backends("cpu")):
+    torch_group = ProcessGroupMCRDL(api.current_runtime().world, rank, world)
+    born = born_done()
+    compiled = facts.load() is not facts  # (pure Python: every Work is outstanding until waited)
+    verdicts.check("some sends and receives are born done on the compiled path only", (born > 0) == compiled,
+                   "some" if compiled else 0, born)
 verdicts.check("paths done", True)
 print(f"rank {rank}: {calls} calls through {len(DRIVERS)} drivers")
 mcrdl.destroy_process_group()

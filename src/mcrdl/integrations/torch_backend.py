@@ -259,6 +259,7 @@ class MCRDLTorchWork(dist.Work):
     an op that already completed). ``wait()`` drives mcrdl's progress on the
     calling thread; ``get_future()`` is completed by mcrdl's futures thread."""
 
+    __slots__ = ("_work", "_result", "_op", "__dict__")  # (the three every Work sets need no dict)
     _future: Optional[torch.futures.Future] = None  # made by get_future()
 
     def __init__(self, work, result, op: str):  # (facts.cpp's TorchMethod makes one alike, without this frame)
