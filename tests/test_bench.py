@@ -486,6 +486,29 @@ def test_layers_benchmark_gives_equal_results_and_records_every_cell(tmp_path):
     assert all(r["torch_alone_us"] > 0 for r in doc["results"] if r["layer"] == "torch")
 
 
+# -- benchmarks/percall/hotpath.py -------------------------------------------------------------------
+def test_hotpath_benchmark_measures_mpichs_floor_in_the_same_rounds(tmp_path):
+    """Each collective's cells carry MPICH's own nonblocking floor, timed in C in
+    the same rounds, and mcrdl's ratio over it; ops without one (send/recv) are
+    judged against raw alone."""
+    out = tmp_path / "hotpath.json"
+    proc = mcrdl_cli("run", "-n", "2", ROOT / "benchmarks" / "percall" / "hotpath.py", "--ops",
+                     "all_reduce,scatter,send/recv", "--sizes", "4,1K", "--rounds", "2", "--iters", "20",
+                     "--json", out, timeout=300)
+    ok(proc)
+    doc = json.loads(out.read_text())
+    assert sorted((r["op"], r["bytes"]) for r in doc["results"]) == sorted(
+        (o, b) for o in ("all_reduce", "scatter", "send/recv") for b in (4, 1024))
+    for r in doc["results"]:
+        for style in ("back to back", "barrier between"):
+            c = r[style]
+            if r["op"] == "send/recv":
+                assert c["floor_us"] is None and c["over_floor"] == pytest.approx(c["ratio"]), c
+            else:
+                assert c["floor_us"] >= 0 and 0 < c["over_floor"] <= max(c["ratios"]) + 1e-9, c
+    assert "mcrdl / (raw mpi4py + MPICH's nonblocking floor)" in " ".join(proc.stdout.split())  # (titles wrap)
+
+
 # -- benchmarks/percall/blocking_floor.py ------------------------------------------------------------
 def test_blocking_floor_benchmark_builds_and_times_every_op_in_every_form(tmp_path):
     out = tmp_path / "floor.json"
