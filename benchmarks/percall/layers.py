@@ -20,7 +20,11 @@ which no backend can remove. "added": the layer's time less the API's and
 torch alone's, what #39 holds to 1 us. torch's send and recv are an isend or
 irecv and a wait on its Work; "API async" times that on mcrdl's API
 (``mcrdl.isend(...).wait()``), so its excess over the blocking API is a floor
-of the torch layer's send/recv that the layer itself does not add.
+of the torch layer's send/recv that the layer itself does not add. So is the
+``torch.distributed.Work`` a backend must return for each of them (torch
+alone's group returns none): "torch Work" times making and freeing one per
+send and per receive of the ping-pong, interleaved with the rest. "layer's
+own" is what is added less both floors.
 """
 from __future__ import annotations
 
@@ -176,6 +180,14 @@ def api_async_ping_pong(n: int, rank: int):
     return call
 
 
+def torch_works():
+    """A send's and a receive's ``torch.distributed.Work``, made and freed (each rank's per round trip)."""
+    def call():
+        dist.Work()
+        dist.Work()
+    return call
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="4,1K,16K,256K")
@@ -219,6 +231,7 @@ def main() -> int:
                         order.append(("alone", torch_alone(op, max(1, nbytes // 4), null, rank, world)))
                         if op == "send/recv":
                             order.append(("api async", api_async_ping_pong(max(1, nbytes // 4), rank)))
+                            order.append(("torch work", torch_works()))
                     times = interleaved(order, args.rounds, iters, max(10, iters // 20), comm,
                                         per_call=2 if op == "send/recv" else 1)
                     ratios = [a / b for a, b in zip(times["layer"], times["ref"])]
@@ -230,6 +243,8 @@ def main() -> int:
                         row["added_us"] = row["layer_us"] - row["ref_us"] - row["torch_alone_us"]
                     if "api async" in times:
                         row["api_async_us"] = statistics.median(times["api async"])
+                        row["torch_work_us"] = statistics.median(times["torch work"])
+                        row["own_us"] = row["added_us"] - (row["api_async_us"] - row["ref_us"]) - row["torch_work_us"]
                     results.append(row)
                     progress.advance(task)
                     if rank == 0:
@@ -259,6 +274,11 @@ def main() -> int:
                                          + ", ".join(f"{label(r['bytes'])} {r['api_async_us']:.2f} us "
                                                      f"({r['api_async_us'] - r['ref_us']:+.2f} over the blocking "
                                                      f"API)" for r in floors), highlight=False)
+                Console(width=200).print("send/recv floor (torch needs a Work per call): torch Work made and freed "
+                                         + ", ".join(f"{label(r['bytes'])} {r['torch_work_us']:.2f} us" for r in floors)
+                                         + "; the layer's own, less both floors: "
+                                         + ", ".join(f"{label(r['bytes'])} {r['own_us']:+.2f} us" for r in floors),
+                                         highlight=False)
         if args.json:
             write_json(args.json, {"benchmark": "layers", "world_size": world, "rounds": args.rounds,
                                    "backends": mcrdl.live_backends(),
