@@ -7,8 +7,10 @@ mcrdl's API on gloo against raw torch gloo, and torch.distributed on the
 The job starts through ``torch.distributed.init_process_group("mcrdl")``.
 "gloo": ``mcrdl.<op>(..., backend="gloo")`` against the same op on a
 ``ProcessGroupGloo`` the benchmark makes itself on torch's store (``pg.<op>(...)
-.wait()``). "torch": ``torch.distributed.<op>`` on the default group against
-``mcrdl.<op>`` with the same (selected) backend. Blocking calls back to back
+.wait()``). "torch": ``torch.distributed.<op>`` on an "mcrdl" group of every rank, named
+by ``group=`` as torch alone's group is (on the default group torch's Python
+also looks the group up, ``_get_default_group``: the benchmark times that
+too), against ``mcrdl.<op>`` with the same (selected) backend. Blocking calls back to back
 (a barrier, then ``N`` calls; elapsed / N), ``R`` rounds alternating which
 variant goes first; a round's figure is the slowest rank's; reported: the
 median time of each and the median per-round ratio. Before timing, both
@@ -32,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import timeit
 from datetime import timedelta
 
 import torch
@@ -86,28 +89,29 @@ def torch_alone(op: str, n: int, null, rank: int, world: int):
     return ping_pong
 
 
-def variants(layer: str, op: str, n: int, pg, rank: int, world: int, fill):
-    """(layer call, reference call, layer outputs, reference outputs)."""
+def variants(layer: str, op: str, n: int, pg, tg, rank: int, world: int, fill):
+    """(layer call, reference call, layer outputs, reference outputs); ``tg``: the
+    "mcrdl" torch group of every rank the torch layer's calls name."""
     gloo = layer == "gloo"
     x = fill(n)
     y = x.clone()
     if op == "all_reduce":
         if gloo:
             return (lambda: mcrdl.all_reduce(x, backend="gloo"), lambda: pg.allreduce([y]).wait(), [x], [y])
-        return lambda: dist.all_reduce(x), lambda: mcrdl.all_reduce(y), [x], [y]
+        return lambda: dist.all_reduce(x, group=tg), lambda: mcrdl.all_reduce(y), [x], [y]
     if op == "broadcast":
         if gloo:
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             return (lambda: mcrdl.broadcast(x, 0, backend="gloo"), lambda: pg.broadcast([y], opts).wait(),
                     [x], [y])
-        return lambda: dist.broadcast(x, 0), lambda: mcrdl.broadcast(y, 0), [x], [y]
+        return lambda: dist.broadcast(x, 0, group=tg), lambda: mcrdl.broadcast(y, 0), [x], [y]
     if op == "all_gather_into_tensor":
         a, b = torch.empty(n * world), torch.empty(n * world)
         if gloo:
             return (lambda: mcrdl.all_gather_into_tensor(a, x, backend="gloo"),
                     lambda: pg._allgather_base(b, y).wait(), [a], [b])
-        return (lambda: dist.all_gather_into_tensor(a, x), lambda: mcrdl.all_gather_into_tensor(b, y),
+        return (lambda: dist.all_gather_into_tensor(a, x, group=tg), lambda: mcrdl.all_gather_into_tensor(b, y),
                 [a], [b])
     if op == "reduce_scatter_tensor":
         n = max(world, n - n % world)
@@ -117,7 +121,7 @@ def variants(layer: str, op: str, n: int, pg, rank: int, world: int, fill):
         if gloo:
             return (lambda: mcrdl.reduce_scatter_tensor(a, x, backend="gloo"),
                     lambda: pg._reduce_scatter_base(b, y).wait(), [a], [b])
-        return (lambda: dist.reduce_scatter_tensor(a, x), lambda: mcrdl.reduce_scatter_tensor(b, y),
+        return (lambda: dist.reduce_scatter_tensor(a, x, group=tg), lambda: mcrdl.reduce_scatter_tensor(b, y),
                 [a], [b])
     if op == "all_to_all_single":
         n = max(world, n - n % world)
@@ -127,7 +131,7 @@ def variants(layer: str, op: str, n: int, pg, rank: int, world: int, fill):
         if gloo:
             return (lambda: mcrdl.all_to_all_single(a, x, backend="gloo"),
                     lambda: pg.alltoall_base(b, y, [], []).wait(), [a], [b])
-        return lambda: dist.all_to_all_single(a, x), lambda: mcrdl.all_to_all_single(b, y), [a], [b]
+        return lambda: dist.all_to_all_single(a, x, group=tg), lambda: mcrdl.all_to_all_single(b, y), [a], [b]
     # send/recv ping-pong between ranks 0 and 1
     peer = 1 - rank
     if gloo:
@@ -150,11 +154,11 @@ def variants(layer: str, op: str, n: int, pg, rank: int, world: int, fill):
 
     def torch_call():
         if rank == 0:
-            dist.send(x, 1)
-            dist.recv(x, 1)
+            dist.send(x, 1, group=tg)
+            dist.recv(x, 1, group=tg)
         elif rank == 1:
-            dist.recv(x, 0)
-            dist.send(x, 0)
+            dist.recv(x, 0, group=tg)
+            dist.send(x, 0, group=tg)
 
     def api_call():
         if rank == 0:
@@ -205,6 +209,7 @@ def main() -> int:
     dist.init_process_group("mcrdl")
     rank, world = dist.get_rank(), dist.get_world_size()
     null = dist.new_group(backend="layers_null")
+    tg = dist.new_group(backend="mcrdl")  # (named as torch alone's group is: the same torch Python)
     store = dist.PrefixStore("layers-bench/", dist.distributed_c10d._get_default_store())
     pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
     from mpi4py import MPI
@@ -219,7 +224,7 @@ def main() -> int:
         for layer in layers:
             for op in ops:
                 for nbytes in sizes:
-                    call, ref, outs, ref_outs = variants(layer, op, max(1, nbytes // 4), pg, rank, world, fill)
+                    call, ref, outs, ref_outs = variants(layer, op, max(1, nbytes // 4), pg, tg, rank, world, fill)
                     call()
                     ref()
                     for a, b in zip(outs, ref_outs):
@@ -251,6 +256,7 @@ def main() -> int:
                         console.print(f"[{LAYERS[layer][0]} / {LAYERS[layer][1]}: {op} {label(nbytes)}] "
                                       f"{row['layer_us']:.2f} vs {row['ref_us']:.2f} us = {row['ratio']:.2f}x",
                                       highlight=False, markup=False)
+    lookup_us = min(timeit.repeat(dist.distributed_c10d._get_default_group, number=20000, repeat=5)) / 20000 * 1e6
     if rank == 0:
         for layer, (name, ref_name) in layers.items():
             alone = "; torch alone) added" if layer == "torch" else ")"
@@ -279,8 +285,12 @@ def main() -> int:
                                          + "; the layer's own, less both floors: "
                                          + ", ".join(f"{label(r['bytes'])} {r['own_us']:+.2f} us" for r in floors),
                                          highlight=False)
+        if "torch" in layers:
+            Console(width=200).print(f"torch's own lookup of the default group (_get_default_group), which calls "
+                                     f"without group= add: {lookup_us:.2f} us", highlight=False)
         if args.json:
             write_json(args.json, {"benchmark": "layers", "world_size": world, "rounds": args.rounds,
+                                   "default_group_lookup_us": lookup_us,
                                    "backends": mcrdl.live_backends(),
                                    "environment": environment(mpi=MPI.Get_library_version().splitlines()[0]),
                                    "command": " ".join(sys.argv), "results": results}, Console())

@@ -725,7 +725,7 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     bool done = false;
     if (Py_TYPE(pending.get()) == W.request && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 0) {
         PyObject *request = pending.get();
-        THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &request, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+        THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &request, 1, nullptr));
         if (!tested) // (the library failed: as a start that raised)
             return unstarted(op, backend);
         done = tested.get() == Py_True;
