@@ -1,7 +1,7 @@
 """Median over pairs of the table lines (hotpath.py, layers.py) that
 latency_vs_commit.sh keeps (KEEP='│'): one markdown row per op, each cell
-"REV → this tree" for every ratio in the table's cell (hotpath: back to back,
-barrier between), per size; then how many cells fell. ``--spread`` adds this
+"REV → this tree" for every ratio in the first table's cell (hotpath: back to
+back, barrier between), per size; then how many cells fell. ``--spread`` adds this
 tree's lowest and highest ratio over the pairs to each cell. ``--added``
 (layers.py's torch table, cells "R (torch / API; torch alone)"): each cell as
 the median µs of torch on "mcrdl", of the API, and what the torch layer adds
@@ -20,14 +20,17 @@ import sys
 
 def medians(path: str, added: bool = False) -> dict:
     """{(op, cell index, tree label): [ratio per pair]} (``added``: [(torch, API, added) per pair])"""
-    found, tree = collections.defaultdict(list), None
+    found, tree, seen = collections.defaultdict(list), None, set()
     with open(path) as f:
         for line in f:
             pair = re.match(r"== pair \d+: (.*)", line)
             if pair:
-                tree = pair.group(1).strip()
+                tree, seen = pair.group(1).strip(), set()
             elif line.startswith("│"):
                 op, *cells = [c.strip() for c in line.strip().strip("│").split("│")]
+                if op in seen:  # (a later table of the same run: hotpath's over the floor)
+                    continue
+                seen.add(op)
                 if added:
                     for i, c in enumerate(cells):
                         torch, api, alone = map(float, re.search(r"\(([\d.]+) / ([\d.]+); ([\d.]+)\)", c).groups())

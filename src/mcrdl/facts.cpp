@@ -354,9 +354,8 @@ typedef PyObject *(*start_fn)(PyObject *starter, void *const *addr, PyObject *co
 PyTypeObject *starter_type = nullptr;
 start_fn starter_start = nullptr;
 
-PyObject *s_runtime, *s_run_op, *s_g, *s_coalescing, *s_ranks, *s_work, *s_result, *s_op; // (TorchMethod's)
-PyObject *s_debug, *s_engine, *s_lost, *s_outstanding, *s_observer, *s_world, *s_rank, *s_starters,
-    *s_size, *s_enabled, *s_order_before, *s_run, *s_peer;
+PyObject *s_runtime, *s_run_op, *s_work, *s_result, *s_op; // (TorchMethod's)
+PyObject *s_enabled, *s_order_before, *s_run, *s_peer;
 
 // A borrowed-like read: a new reference to obj.name (nullptr with an error).
 inline PyObject *get(PyObject *obj, PyObject *name) { return PyObject_GetAttr(obj, name); }
@@ -368,19 +367,81 @@ int truth(PyObject *obj, PyObject *name)
     return v ? PyObject_IsTrue(v.get()) : -1;
 }
 
+// An attribute the calls read: at its slot's offset on objects of the class
+// that declares it (Runtime, Engine, Group, ProcessGroupMCRDL: their
+// __slots__, found by setup() and TorchMethod), by name on any other object;
+// a lookup by name costs 40-80 ns, and an async call made a dozen.
+struct Attr {
+    PyObject *name = nullptr;
+    PyTypeObject *type = nullptr;
+    Py_ssize_t offset = 0;
+};
+
+Attr a_debug, a_engine, a_observer, a_world;          // Runtime's
+Attr a_outstanding, a_lost, a_lock, a_domains;        // Engine's
+Attr a_starters, a_timeout, a_rank, a_size, a_ranks;  // Group's
+Attr a_g, a_coalescing;                               // ProcessGroupMCRDL's (TorchMethod's)
+
+// A new reference to obj.<a> (nullptr with an error; an unset slot's is the lookup's).
+inline PyObject *get(PyObject *obj, const Attr &a)
+{
+    if (Py_TYPE(obj) == a.type) {
+        PyObject *v = *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(obj) + a.offset);
+        if (v != nullptr)
+            return Py_NewRef(v);
+    }
+    return PyObject_GetAttr(obj, a.name);
+}
+
+int truth(PyObject *obj, const Attr &a)
+{
+    THPObjectPtr v(get(obj, a));
+    return v ? PyObject_IsTrue(v.get()) : -1;
+}
+
+// The offset of type's slot ``name`` (a member descriptor of an object slot).
+Py_ssize_t offset_of(PyTypeObject *type, const char *name)
+{
+    PyObject *descr = PyDict_GetItemString(type->tp_dict, name);
+    if (descr == nullptr || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+        PyErr_Format(PyExc_TypeError, "%s has no slot %s", type->tp_name, name);
+        return -1;
+    }
+    PyMemberDef *member = reinterpret_cast<PyMemberDescrObject *>(descr)->d_member;
+    if (member->type != T_OBJECT_EX && member->type != T_OBJECT) {
+        PyErr_Format(PyExc_TypeError, "%s.%s is not an object slot", type->tp_name, name);
+        return -1;
+    }
+    return member->offset;
+}
+
+// ``a``, found on ``type``'s slot ``name``; false with an error when it has none.
+bool attr(Attr &a, PyTypeObject *type, const char *name)
+{
+    if (a.name == nullptr && (a.name = PyUnicode_InternFromString(name)) == nullptr)
+        return false;
+    Py_ssize_t offset = offset_of(type, name);
+    if (offset < 0)
+        return false;
+    Py_INCREF(type); // (kept for the process's life, as the module is)
+    a.type = type;
+    a.offset = offset;
+    return true;
+}
+
 // The list form's view of its blocks (ops.span): the one the group remembers,
 // else a new view (not remembered: ops.span remembers small lists' views when
 // it runs); nullptr without an error when the blocks do not lie back to back.
 PyObject *list_view(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind, PyObject *single)
 {
-    THPObjectPtr size(get(g, s_size));
+    THPObjectPtr size(get(g, a_size));
     if (!size || !PyTuple_CheckExact(kind) || PyTuple_GET_SIZE(kind) != 2)
         return nullptr;
     PyObject *args[5] = {parts, size.get(), PyTuple_GET_ITEM(kind, 1), PyTuple_GET_ITEM(kind, 0), single};
     THPObjectPtr at(span(nullptr, args, 5));
     if (!at || at.get() == Py_None)
         return nullptr;
-    THPObjectPtr starters(get(g, s_starters));
+    THPObjectPtr starters(get(g, a_starters));
     if (!starters)
         return nullptr;
     PyObject *memo = PyDict_GetItemWithError(starters.get(), name); // (address, nbytes, dtype, view)
@@ -478,8 +539,7 @@ PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
 struct WorkSlots {
     PyTypeObject *type = nullptr, *request = nullptr;
     PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
-    PyObject *s_domains = nullptr, *s_lock = nullptr, *s_acquire = nullptr, *s_release = nullptr, *s_test = nullptr;
-    PyObject *s_timeout = nullptr, *s_domain = nullptr;
+    PyObject *s_domains = nullptr, *s_acquire = nullptr, *s_release = nullptr, *s_test = nullptr, *s_domain = nullptr;
     Py_ssize_t op, engine, pending, post, done, error, future, stream, backend, group, peer, reads, writes, deadline,
         result, settled, spans;
 } W;
@@ -564,7 +624,7 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
     // (the list itself, not a copy: only keeping a work's ranges allocates, so
     // only then can a finalizer run Python code that lets another thread
     // change the list; the walk then starts again)
-    THPObjectPtr works(PyObject_GetAttr(engine, s_outstanding));
+    THPObjectPtr works(get(engine, a_outstanding));
     if (!works)
         return nullptr;
     if (!PyList_CheckExact(works.get()))
@@ -617,10 +677,10 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
 PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend, PyObject *pending, PyObject *reads,
                 PyObject *writes, PyObject *result, PyObject *spans, PyObject *peer, bool done)
 {
-    int lost = W.type != nullptr ? truth(engine, s_lost) : 1;
+    int lost = W.type != nullptr ? truth(engine, a_lost) : 1;
     if (lost != 0)
         return lost < 0 ? nullptr : Py_NewRef(Py_None);
-    THPObjectPtr timeout(PyObject_GetAttr(g, W.s_timeout));
+    THPObjectPtr timeout(get(g, a_timeout));
     double seconds = timeout ? PyFloat_AsDouble(timeout.get()) : -1.0;
     if (seconds == -1.0 && PyErr_Occurred())
         return nullptr;
@@ -645,12 +705,12 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
         put(o, entry.at, entry.value);
     if (done)
         return work.release();
-    THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
+    THPObjectPtr lock(get(engine, a_lock));
     if (!lock || !acquire(lock.get()))
         return nullptr;
     bool ok = true;
     if (domain.get() != Py_None) { // (the set is replaced, never mutated: readers take it without the lock)
-        THPObjectPtr domains(PyObject_GetAttr(engine, W.s_domains));
+        THPObjectPtr domains(get(engine, a_domains));
         int known = domains ? PySet_Contains(domains.get(), domain.get()) : -1;
         if (known == 0) {
             THPObjectPtr one(PyFrozenSet_New(nullptr));
@@ -660,7 +720,7 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
         } else
             ok = known == 1;
     }
-    THPObjectPtr outstanding(ok ? PyObject_GetAttr(engine, s_outstanding) : nullptr);
+    THPObjectPtr outstanding(ok ? get(engine, a_outstanding) : nullptr);
     ok = outstanding && PyList_Append(outstanding.get(), o) == 0;
     if (!release(lock.get()) || !ok)
         return nullptr;
@@ -695,7 +755,7 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
 {
     THPObjectPtr reads(pick(tensors, PyTuple_GET_ITEM(op, D.reads)));
     THPObjectPtr writes(reads ? pick(tensors, PyTuple_GET_ITEM(op, D.writes)) : nullptr);
-    THPObjectPtr outstanding(writes ? get(engine, s_outstanding) : nullptr);
+    THPObjectPtr outstanding(writes ? get(engine, a_outstanding) : nullptr);
     if (!outstanding)
         return nullptr;
     int busy = PyObject_IsTrue(outstanding.get());
@@ -772,18 +832,18 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         || PyTuple_GET_SIZE(op) <= D.last)
         return PyObject_Vectorcall(D.slow, args, n, nullptr);
     int state;
-    if ((state = truth(rt, s_debug)) != 0)
+    if ((state = truth(rt, a_debug)) != 0)
         return state < 0 ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
-    THPObjectPtr engine(get(rt, s_engine));
+    THPObjectPtr engine(get(rt, a_engine));
     if (!engine)
         return nullptr;
     if (async_op == Py_True)
         state = PyObject_IsTrue(PyTuple_GET_ITEM(op, D.async_plan)) == 1 ? 0 : 1;
     else
-        state = truth(engine.get(), s_outstanding);
-    if (state != 0 || (state = truth(engine.get(), s_lost)) != 0)
+        state = truth(engine.get(), a_outstanding);
+    if (state != 0 || (state = truth(engine.get(), a_lost)) != 0)
         return state < 0 ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
-    THPObjectPtr g(group == Py_None ? get(rt, s_world) : (Py_INCREF(group), group));
+    THPObjectPtr g(group == Py_None ? get(rt, a_world) : (Py_INCREF(group), group));
     if (!g)
         return nullptr;
     // (A group holds plans only while it belongs to the live runtime and this
@@ -804,7 +864,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     PyObject *name = PyTuple_GET_ITEM(op, D.name);
     THPObjectPtr key(splits == Py_None ? PyTuple_Pack(4, name, facts.get(), backend, async_op)
                                        : PyTuple_Pack(5, name, facts.get(), backend, Py_False, D.zero));
-    THPObjectPtr starters(key ? get(g.get(), s_starters) : nullptr);
+    THPObjectPtr starters(key ? get(g.get(), a_starters) : nullptr);
     if (!starters)
         return nullptr;
     PyObject *plan = PyDict_CheckExact(starters.get()) ? PyDict_GetItemWithError(starters.get(), key.get()) : nullptr;
@@ -815,7 +875,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     PyObject *planned_args[10] = {rt, g.get(), op, plan, group, async_op, backend, tensors, fixed, splits};
     if ((state = truth(D.profiler, s_enabled)) != 0)
         return state < 0 ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
-    THPObjectPtr observer(get(rt, s_observer));
+    THPObjectPtr observer(get(rt, a_observer));
     if (!observer)
         return nullptr;
     if (observer.get() != Py_None)
@@ -837,7 +897,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         if (argc != 2 || listed > 1)
             return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
         PyObject *parts = argv[listed], *single = argv[1 - listed];
-        THPObjectPtr rank(get(g.get(), s_rank));
+        THPObjectPtr rank(get(g.get(), a_rank));
         long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, 3)), my_rank = rank ? PyLong_AsLong(rank.get()) : -1;
         if (PyErr_Occurred())
             return nullptr;
@@ -870,7 +930,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
             if (!PyTuple_CheckExact(splits) || PyTuple_GET_SIZE(splits) != 2 || out == nullptr || in == nullptr
                 || row < 0)
                 return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
-            Py_ssize_t size = PyLong_AsSsize_t(THPObjectPtr(get(g.get(), s_size)).get());
+            Py_ssize_t size = PyLong_AsSsize_t(THPObjectPtr(get(g.get(), a_size)).get());
             out_counts = THPObjectPtr(counts_of(PyTuple_GET_ITEM(splits, 0), size, out->dim() ? out->size(0) : 1, row));
             in_counts = THPObjectPtr(out_counts ? counts_of(PyTuple_GET_ITEM(splits, 1), size,
                                                             in->dim() ? in->size(0) : 1, row) : nullptr);
@@ -910,15 +970,16 @@ Py_ssize_t field(PyObject *fields, const char *name)
     return -1;
 }
 
-// setup(run, general, planned, blocked, could_not_start, Group, DONE, SUM, profiler module, Op._fields):
+// setup(run, general, planned, blocked, could_not_start, Group, DONE, SUM, profiler module, Op._fields,
+// Runtime, Engine):
 // what drive() needs.
 PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs("setup", n, 10))
+    if (!nargs("setup", n, 12))
         return nullptr;
     PyObject *fields = args[9];
-    if (!PyTuple_Check(fields) || !PyType_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError, "setup: a Group type and Op._fields");
+    if (!PyTuple_Check(fields) || !PyType_Check(args[5]) || !PyType_Check(args[10]) || !PyType_Check(args[11])) {
+        PyErr_SetString(PyExc_TypeError, "setup: the Group type, Op._fields, the Runtime and Engine types");
         return nullptr;
     }
     Driver d;
@@ -940,14 +1001,21 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
         return nullptr;
     D = d;
     struct { PyObject **s; const char *text; } names[] = {
-        {&s_debug, "debug"}, {&s_engine, "engine"}, {&s_lost, "lost"}, {&s_outstanding, "outstanding"},
-        {&s_observer, "observer"}, {&s_world, "world"}, {&s_rank, "rank"},
-        {&s_starters, "starters"}, {&s_size, "size"}, {&s_enabled, "_is_profiler_enabled"},
-        {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_peer, "peer"}, {&s_runtime, "_runtime"},
-        {&s_run_op, "run_op"}, {&s_g, "_g"}, {&s_coalescing, "_coalescing"}, {&s_ranks, "ranks"},
-        {&s_work, "_work"}, {&s_result, "_result"}, {&s_op, "_op"}};
+        {&s_enabled, "_is_profiler_enabled"}, {&s_order_before, "order_before"}, {&s_run, "run"},
+        {&s_peer, "peer"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"}, {&s_work, "_work"},
+        {&s_result, "_result"}, {&s_op, "_op"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
+            return nullptr;
+    auto *runtime = reinterpret_cast<PyTypeObject *>(args[10]), *engine = reinterpret_cast<PyTypeObject *>(args[11]),
+         *group = reinterpret_cast<PyTypeObject *>(args[5]);
+    struct { Attr &a; PyTypeObject *type; const char *name; } attrs[] = {
+        {a_debug, runtime, "debug"}, {a_engine, runtime, "engine"}, {a_observer, runtime, "observer"},
+        {a_world, runtime, "world"}, {a_outstanding, engine, "outstanding"}, {a_lost, engine, "lost"},
+        {a_lock, engine, "_lock"}, {a_domains, engine, "_domains"}, {a_starters, group, "starters"},
+        {a_timeout, group, "timeout"}, {a_rank, group, "rank"}, {a_size, group, "size"}, {a_ranks, group, "ranks"}};
+    for (auto &entry : attrs)
+        if (!attr(entry.a, entry.type, entry.name))
             return nullptr;
     Py_RETURN_NONE;
 }
@@ -976,7 +1044,7 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
         || !((PyTuple_CheckExact(post) && PyTuple_GET_SIZE(post) == 0)
              || (PyList_CheckExact(post) && PyList_GET_SIZE(post) == 0)))
         Py_RETURN_FALSE;
-    THPObjectPtr domains(PyObject_GetAttr(engine, W.s_domains));
+    THPObjectPtr domains(get(engine, a_domains));
     if (!domains)
         return nullptr;
     if (!PyFrozenSet_CheckExact(domains.get()) || PySet_GET_SIZE(domains.get()) != 1)
@@ -984,7 +1052,7 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
     int mpi_only = PySet_Contains(domains.get(), W.domain);
     if (mpi_only <= 0)
         return mpi_only < 0 ? nullptr : Py_NewRef(Py_False);
-    THPObjectPtr lock(PyObject_GetAttr(engine, W.s_lock));
+    THPObjectPtr lock(get(engine, a_lock));
     if (!lock)
         return nullptr;
     Py_INCREF(pending);
@@ -1009,7 +1077,7 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
                 return nullptr;
             continue;
         }
-        THPObjectPtr outstanding(complete == 1 ? PyObject_GetAttr(engine, s_outstanding) : nullptr);
+        THPObjectPtr outstanding(complete == 1 ? get(engine, a_outstanding) : nullptr);
         int receive = outstanding ? PySet_Contains(W.receives, slot(work, W.op)) : -1;
         if (receive < 0) {
             release(lock.get());
@@ -1035,22 +1103,6 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
         Py_RETURN_TRUE;
     }
     Py_RETURN_FALSE;
-}
-
-// The offset of type's slot ``name`` (a member descriptor of an object slot).
-Py_ssize_t offset_of(PyTypeObject *type, const char *name)
-{
-    PyObject *descr = PyDict_GetItemString(type->tp_dict, name);
-    if (descr == nullptr || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
-        PyErr_Format(PyExc_TypeError, "adopt: %s has no slot %s", type->tp_name, name);
-        return -1;
-    }
-    PyMemberDef *member = reinterpret_cast<PyMemberDescrObject *>(descr)->d_member;
-    if (member->type != T_OBJECT_EX && member->type != T_OBJECT) {
-        PyErr_Format(PyExc_TypeError, "adopt: %s.%s is not an object slot", type->tp_name, name);
-        return -1;
-    }
-    return member->offset;
 }
 
 // adopt(Starter, start capsule, Request, Work, RECEIVES): the compiled MPI
@@ -1081,9 +1133,8 @@ PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
         || (w.spans = offset_of(work, "_spans")) < 0)
         return nullptr;
     struct { PyObject **s; const char *text; } names[] = {
-        {&w.s_domains, "_domains"}, {&w.s_lock, "_lock"}, {&w.s_acquire, "acquire"}, {&w.s_release, "release"},
-        {&w.s_test, "test"}, {&w.domain, "mpi"}, {&s_outstanding, "outstanding"}, {&w.s_timeout, "timeout"},
-        {&w.s_domain, "progress_domain"}};
+        {&w.s_domains, "_domains"}, {&w.s_acquire, "acquire"}, {&w.s_release, "release"},
+        {&w.s_test, "test"}, {&w.domain, "mpi"}, {&w.s_domain, "progress_domain"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;
@@ -1248,7 +1299,7 @@ PyTypeObject BeatsType = [] {
 }();
 
 // -- ProcessGroupMCRDL's common calls ---------------------------------------------------------
-// TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds)
+// TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds, group_type)
 // stands for one of ProcessGroupMCRDL's methods (``fallback``, the Python one):
 // called as pg.<method>(...) by torch's Python or through its C++ trampoline,
 // it does what the Python method does for the common case (one tensor, a
@@ -1287,7 +1338,7 @@ PyObject *reduction(const TorchMethod *m, const c10d::ReduceOp &op)
 // The global rank at group rank ``at`` (an int or a Python int), else nullptr.
 PyObject *global_rank(PyObject *g, long long at)
 {
-    THPObjectPtr ranks(get(g, s_ranks));
+    THPObjectPtr ranks(get(g, a_ranks));
     if (!ranks || !PyTuple_CheckExact(ranks.get()) || at < 0 || at >= PyTuple_GET_SIZE(ranks.get())) {
         PyErr_Clear();
         return nullptr;
@@ -1327,7 +1378,7 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
     if (!run_op)
         return nullptr;
     // (no such attribute: the Python method names the problem)
-    THPObjectPtr coalescing(get(self, s_coalescing)), g(coalescing ? get(self, s_g) : nullptr);
+    THPObjectPtr coalescing(get(self, a_coalescing)), g(coalescing ? get(self, a_g) : nullptr);
     if (!g || coalescing.get() != Py_None) {
         PyErr_Clear();
         return nullptr;
@@ -1476,13 +1527,18 @@ PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t na
 PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     int kind;
-    PyObject *op, *name, *fallback, *api_globals, *work_type, *work_init, *reduce_kinds;
+    PyObject *op, *name, *fallback, *api_globals, *work_type, *work_init, *reduce_kinds, *group_type;
     if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "TorchMethod takes no keyword arguments");
         return nullptr;
     }
-    if (!PyArg_ParseTuple(args, "iOUOO!O!OO!:TorchMethod", &kind, &op, &name, &fallback, &PyDict_Type, &api_globals,
-                          &PyType_Type, &work_type, &work_init, &PyDict_Type, &reduce_kinds))
+    if (!PyArg_ParseTuple(args, "iOUOO!O!OO!O!:TorchMethod", &kind, &op, &name, &fallback, &PyDict_Type, &api_globals,
+                          &PyType_Type, &work_type, &work_init, &PyDict_Type, &reduce_kinds, &PyType_Type,
+                          &group_type))
+        return nullptr;
+    auto *pg_type = reinterpret_cast<PyTypeObject *>(group_type);
+    if ((a_g.type != pg_type && !attr(a_g, pg_type, "_g"))
+        || (a_coalescing.type != pg_type && !attr(a_coalescing, pg_type, "_coalescing")))
         return nullptr;
     if (kind < 0 || kind >= T_KINDS || !PyCallable_Check(fallback) || !PyCallable_Check(work_init)) {
         PyErr_Format(PyExc_ValueError, "TorchMethod: a kind of 0-%d, a function, a type and its base's __init__",
@@ -1561,7 +1617,7 @@ PyTypeObject TorchMethodType = [] {
     t.tp_name = "mcrdl_facts.TorchMethod";
     t.tp_basicsize = sizeof(TorchMethod);
     t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
-    t.tp_doc = "TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds): "
+    t.tp_doc = "TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds, group_type): "
                "a ProcessGroupMCRDL method's common calls in C";
     t.tp_new = torch_method_new;
     t.tp_dealloc = reinterpret_cast<destructor>(torch_method_dealloc);

@@ -39,7 +39,7 @@ from .backends.base import ANY_SOURCE
 from .facts import KEY, P2P, PAIRED, PAIRED_REDUCED, REDUCED, ROOTED, ROOTED_REDUCED
 from .runtime import Group, Runtime
 from .types import CommError, ReduceOp, UnsupportedError
-from .work import DONE, AfterAll, Done, Work, _overlap, current_stream
+from .work import DONE, AfterAll, Done, Engine, Work, _overlap, current_stream
 
 #: Dtypes the API accepts (per backend limits are checked by the selector).
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
@@ -260,7 +260,7 @@ def driver() -> Callable:
     if checks is _facts:
         return run
     checks.setup(run, general, planned, blocked, could_not_start, Group, DONE, ReduceOp.SUM, _torch_profiler,
-                 Op._fields)
+                 Op._fields, Runtime, Engine)
     _plan_key, _key, _span_at = checks.plan_key, checks.key, checks.span
     return checks.drive
 

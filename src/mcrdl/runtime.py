@@ -159,6 +159,13 @@ class Runtime:
     """Everything one initialised job holds. Created by
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
 
+    # (facts.cpp's drive reads debug, engine, observer and world at their slots' offsets)
+    __slots__ = ("_abort_at_exit", "_failing_alike", "_group_count", "autotune", "backends", "ctx", "debug",
+                 "default_backend", "dying", "engine", "groups", "health", "local_cpus", "local_rank", "local_size",
+                 "logger", "mpi_comm", "mpi_missing", "observer", "rank", "recorder", "selector", "shared_gpu",
+                 "store", "store_host", "timeout", "traced", "unavailable", "wait_policy", "watchdog", "world",
+                 "world_size")
+
     def __init__(self, backends: Optional[Iterable[str]], default_backend: Optional[str],
                  timeout: float, op_backends: Optional[Mapping[str, str]],
                  tuning_table: Union[None, str, dict, TuningTable], debug: Optional[bool],

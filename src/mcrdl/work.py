@@ -452,6 +452,10 @@ class Engine:
     caller never test the same MPI request at once; futures are completed
     outside it, since their callbacks may issue new operations."""
 
+    # (facts.cpp reads outstanding, lost, _lock and _domains at their slots' offsets)
+    __slots__ = ("outstanding", "_lock", "_abandoned", "on_failure", "_watched", "_watcher", "_arrived",
+                 "_signalled", "_fresh", "_closing", "lost", "_ranges", "_domains")
+
     def __init__(self) -> None:
         self.outstanding: list[Work] = []
         self._lock = threading.RLock()

@@ -313,6 +313,9 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     ``rank``/``size`` are torch's group rank and size; roots and peers torch
     passes (group ranks) are mapped to mcrdl's global ranks."""
 
+    # (facts.cpp's TorchMethod reads _g and _coalescing at their slots' offsets; torch may set others)
+    __slots__ = ("_g", "_owns_mcrdl", "_coalescing", "_group_name", "_group_desc", "__dict__")
+
     def __init__(self, group: Group, rank: int, size: int, owns_mcrdl: bool = False):
         super().__init__(rank, size)
         if group.size != size or group.rank != rank:
@@ -630,7 +633,7 @@ def _compile_methods() -> bool:
     for kind, (method, op) in enumerate(_COMPILED):
         python = vars(ProcessGroupMCRDL)[method]
         compiled = native.TorchMethod(kind, op, method, python, vars(api), MCRDLTorchWork, dist.Work.__init__,
-                                      _REDUCE_KINDS)
+                                      _REDUCE_KINDS, ProcessGroupMCRDL)
         for name, value in list(vars(ProcessGroupMCRDL).items()):
             if value is python:  # its older names too (_allgather_base ...)
                 setattr(ProcessGroupMCRDL, name, compiled)
