@@ -31,6 +31,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <initializer_list>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -197,6 +198,31 @@ bool extent(PyObject *o, uintptr_t out[2], c10::Device *device)
     return true;
 }
 
+// A tuple of ``items`` (new references, stolen); nullptr, releasing them, if one is nullptr.
+PyObject *tuple_of(std::initializer_list<PyObject *> items)
+{
+    PyObject *out = std::find(items.begin(), items.end(), nullptr) == items.end() ? PyTuple_New(items.size()) : nullptr;
+    Py_ssize_t i = 0;
+    for (PyObject *item : items) {
+        if (out != nullptr)
+            PyTuple_SET_ITEM(out, i++, item);
+        else
+            Py_XDECREF(item);
+    }
+    return out;
+}
+
+// (device, start, end, written): one tensor's range; the CPU's device object
+// made once (an async call with work in flight lists its tensors' ranges).
+PyObject *range_of(const c10::Device &device, const uintptr_t span[2], bool is_write)
+{
+    static PyObject *cpu = nullptr;
+    if (cpu == nullptr && device.is_cpu() && (cpu = THPDevice_New(device)) == nullptr)
+        return nullptr;
+    return tuple_of({device.is_cpu() ? Py_NewRef(cpu) : THPDevice_New(device), PyLong_FromSize_t(span[0]),
+                     PyLong_FromSize_t(span[1]), Py_NewRef(is_write ? Py_True : Py_False)});
+}
+
 // ranges(reads, writes): (low, high, [(device, start, end, written), ...]) for
 // every tensor of the two lists or tuples (a read that is also written is
 // listed once, as written), low and high over them; None when an item is not
@@ -230,8 +256,7 @@ PyObject *ranges(PyObject *, PyObject *const *args, Py_ssize_t n)
             Py_DECREF(list);
             Py_RETURN_NONE;
         }
-        PyObject *item = Py_BuildValue("(NKKO)", THPDevice_New(device), static_cast<unsigned long long>(span[0]),
-                                       static_cast<unsigned long long>(span[1]), is_write ? Py_True : Py_False);
+        PyObject *item = range_of(device, span, is_write);
         if (item == nullptr || PyList_Append(list, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(list);
@@ -243,7 +268,8 @@ PyObject *ranges(PyObject *, PyObject *const *args, Py_ssize_t n)
     }
     if (PyList_GET_SIZE(list) == 0)
         low = 0;
-    return Py_BuildValue("(KKN)", static_cast<unsigned long long>(low), static_cast<unsigned long long>(high), list);
+    PyObject *bounds[2] = {PyLong_FromSize_t(low), PyLong_FromSize_t(high)};
+    return tuple_of({bounds[0], bounds[1], list});
     END_HANDLE_TH_ERRORS
 }
 
