@@ -381,7 +381,7 @@ PyTypeObject *starter_type = nullptr;
 start_fn starter_start = nullptr;
 
 PyObject *s_runtime, *s_run_op, *s_work, *s_result, *s_op; // (TorchMethod's)
-PyObject *s_enabled, *s_order_before, *s_run, *s_peer;
+PyObject *s_enabled, *s_order_before, *s_run, *s_retire, *s_peer;
 
 // A borrowed-like read: a new reference to obj.name (nullptr with an error).
 inline PyObject *get(PyObject *obj, PyObject *name) { return PyObject_GetAttr(obj, name); }
@@ -703,7 +703,8 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
 PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend, PyObject *pending, PyObject *reads,
                 PyObject *writes, PyObject *result, PyObject *spans, PyObject *peer, bool done)
 {
-    int lost = W.type != nullptr ? truth(engine, a_lost) : 1;
+    // (a death noted refuses new work, but not one already done: as Engine.block)
+    int lost = W.type == nullptr ? 1 : done ? 0 : truth(engine, a_lost);
     if (lost != 0)
         return lost < 0 ? nullptr : Py_NewRef(Py_None);
     THPObjectPtr timeout(get(g, a_timeout));
@@ -808,27 +809,48 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
         return unstarted(op, backend);
     // A send or receive often completes in its start (an eager send, a message
     // already here): one test, and its Work is born done, never outstanding.
+    // What the test raises (the library failed) retires the work, as the
+    // engine's own test would: its wait raises it, after the runtime's failure
+    // handling (the peers' verdict, the flight recorder, the abort at exit).
     bool done = false;
+    THPObjectPtr failed;
     if (Py_TYPE(pending.get()) == W.request && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 0) {
         PyObject *request = pending.get();
         THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &request, 1, nullptr));
-        if (!tested) // (the library failed: as a start that raised)
-            return unstarted(op, backend);
-        done = tested.get() == Py_True;
+        if (!tested) {
+            PyObject *type, *value, *trace;
+            PyErr_Fetch(&type, &value, &trace);
+            PyErr_NormalizeException(&type, &value, &trace);
+            if (trace != nullptr)
+                PyException_SetTraceback(value, trace);
+            Py_XDECREF(type);
+            Py_XDECREF(trace);
+            if (value == nullptr)
+                return nullptr;
+            failed = THPObjectPtr(value);
+        } else
+            done = tested.get() == Py_True;
     }
     THPObjectPtr result(PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes.get() : reads.get()));
     if (!result)
         return nullptr;
     PyObject *work = track(engine, g, name, backend, pending.get(), reads.get(), writes.get(), result.get(), spans.get(),
                            PyTuple_GET_ITEM(plan, 3), done);
-    if (work != Py_None)
-        return work;
-    Py_DECREF(work);
-    PyObject *run_args[11] = {engine, name, backend, pending.get(), reads.get(), writes.get(), D.empty, g,
-                              result.get(), Py_True, spans.get()};
-    work = PyObject_VectorcallMethod(s_run, run_args, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    if (work != nullptr && PyObject_SetAttr(work, s_peer, PyTuple_GET_ITEM(plan, 3)) < 0)
-        Py_CLEAR(work);
+    if (work == Py_None) {
+        Py_DECREF(work);
+        PyObject *run_args[11] = {engine, name, backend, pending.get(), reads.get(), writes.get(), D.empty, g,
+                                  result.get(), Py_True, spans.get()};
+        work = PyObject_VectorcallMethod(s_run, run_args, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+        if (work != nullptr && PyObject_SetAttr(work, s_peer, PyTuple_GET_ITEM(plan, 3)) < 0)
+            Py_CLEAR(work);
+    }
+    if (work != nullptr && failed) {
+        PyObject *retire_args[3] = {engine, work, failed.get()};
+        THPObjectPtr retired(PyObject_VectorcallMethod(s_retire, retire_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                       nullptr));
+        if (!retired)
+            Py_CLEAR(work);
+    }
     return work;
 }
 
@@ -1027,7 +1049,7 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
         return nullptr;
     D = d;
     struct { PyObject **s; const char *text; } names[] = {
-        {&s_enabled, "_is_profiler_enabled"}, {&s_order_before, "order_before"}, {&s_run, "run"},
+        {&s_enabled, "_is_profiler_enabled"}, {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_retire, "_retire"},
         {&s_peer, "peer"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"}, {&s_work, "_work"},
         {&s_result, "_result"}, {&s_op, "_op"}};
     for (auto &entry : names)
@@ -1505,9 +1527,9 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
         return nullptr;
     if (!async_op)
         Py_RETURN_NONE; // torch waits only on a Work it gets
-    if (W.type != nullptr && Py_TYPE(work.get()) == W.type && slot(work.get(), W.done) == Py_True
+    if (m->kind == T_SEND && W.type != nullptr && Py_TYPE(work.get()) == W.type && slot(work.get(), W.done) == Py_True
         && slot(work.get(), W.error) == Py_None && slot(work.get(), W.stream) == Py_None)
-        work = THPObjectPtr(Py_NewRef(Py_None)); // (done in its start: the Work stands for a completed op)
+        work = THPObjectPtr(Py_NewRef(Py_None)); // (a send done in its start: the Work stands for a completed op)
     THPObjectPtr result(PyList_New(1));
     if (!result)
         return nullptr;

@@ -290,8 +290,6 @@ class MCRDLTorchWork(dist.Work):
 
     def _source_rank(self) -> int:
         """The sender's group rank, as torch's recv(src=None) reads it."""
-        if self._work is None:  # (a receive from a named peer that completed in its start)
-            raise RuntimeError(f"{self._op}: only a receive from any source names its sender")
         return self._work.group.group_rank(self._work.source_rank())
 
     def get_future(self) -> torch.futures.Future:
