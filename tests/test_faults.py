@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import FORKED, JOBS
+from mcrdl.launcher import free_port
 from mcrdl.work import DONE, Engine
 
 TIMEOUT = 4.0  # group timeout inside the jobs (s)
@@ -52,17 +53,11 @@ def _check(reports: dict, survivors, backend: str, peer_note, limit: float = TIM
             assert any(note in message for note in notes), message
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(n: int, args, report_dir: Path, timeout: float = 60, frozen: int = -1) -> None:
     """Ranks as separate processes with torchrun's environment, and no agent
     that kills the survivors when one dies. Rank ``frozen`` (stopped by
     SIGSTOP) is killed once the others have reported, as a launcher would."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, FORKED, str(JOBS / "faults_job.py"), *args, str(report_dir)],
                               env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
                                    "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",

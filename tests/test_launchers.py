@@ -6,7 +6,6 @@ test_torch_suite.py.)"""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 from conftest import FORKED, JOBS, run_job_rc, run_or_dump
 from mcrdl import pmi
+from mcrdl.launcher import free_port
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 EXAMPLES = Path(__file__).parents[1] / "examples" / "frameworks"
@@ -28,10 +28,16 @@ def torchrun(nprocs, *argv, extra=(), timeout=300):
     return rc, stdout + stderr
 
 
-def free_port():
+def test_free_port_lies_below_the_ephemeral_range_and_is_free():
+    """mcrdl run's MASTER_PORT: outside the range outgoing connections draw their
+    local ports from, so none can take it before rank 0 listens (EADDRINUSE seen)."""
+    import socket
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < low for p in ports), (ports, low)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind(("127.0.0.1", ports.pop()))
 
 
 def test_process_mapping_names_each_ranks_host():

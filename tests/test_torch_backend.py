@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from conftest import FORKED, JOBS, run_job
 import mcrdl.integrations.torch_backend as tb
+from mcrdl.launcher import free_port
 
 ROOT = Path(__file__).parents[1]
 
@@ -156,17 +157,11 @@ def test_example_runs():
     assert proc.stdout.count("same as gloo: True") == 2, proc.stdout
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("nprocs,init", [(2, "env://"), (4, "file://"), (3, "tcp://")])
 def test_one_word_switch_under_mcrdl_run(nprocs, init, tmp_path):
     """MPI and gloo live; torch's rendezvous of any kind gives mcrdl its store."""
     arg = {"env://": "env://", "file://": f"file://{tmp_path}/store",
-           "tcp://": f"tcp://127.0.0.1:{_free_port()}"}[init]
+           "tcp://": f"tcp://127.0.0.1:{free_port()}"}[init]
     out = run_job(nprocs, "torch_backend_dropin_job.py", arg, timeout=240)
     out.require(["drop-in finished"], range(nprocs))
     assert out.count(f"DROP-IN OK ({init[:-3]}, live ['mpi', 'gloo'])") == nprocs, out[-3000:]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -93,10 +94,26 @@ def program(argv: Sequence[str]) -> list[str]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on now (the OS's pick; torchrun does the same)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nobody listens on now, for a rank to listen on soon: one below
+    the kernel's ephemeral range where it has one. The OS's own pick (port 0)
+    lies inside that range, where any process's outgoing connection may take
+    it before the rank binds it (seen: a job's TCPStore failed with EADDRINUSE
+    while the test suite's other jobs connected); below it only an explicit
+    bind can."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    tries = random.sample(range(10000, low), min(50, low - 10000)) if low > 10050 else []
+    for port in [*tries, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError(f"no free TCP port on {host}")
 
 
 def master_address(hosts: Optional[str] = None, hostfile: Optional[str] = None) -> tuple[str, str]:
