@@ -188,22 +188,25 @@ def test_strangers_at_the_watchdog_neither_end_nor_blind_the_job(tmp_path, monke
     """False death claims, garbage, 200 connections, a replayed hello and
     goodbye, a second claim of a connected rank: the job's step still runs,
     nobody is called dead, the connections are counted, and a real death
-    afterwards is still named within the watchdog's second. Under mpiexec the
-    job's key came over MPI, under torchrun's environment through the store.
-    The fault step runs on gloo under both: with survivors inside an MPI op,
-    MPICH (no fault tolerance) may end the job before the watchdog speaks (a
-    full run saw it once; a dead rank under mpiexec is test_killed_rank_under_mpiexec's)."""
+    afterwards is still named by every survivor within the watchdog's second.
+    Under mpiexec the job's key came over MPI, under torchrun's environment
+    through the store. The fault step runs on gloo under both (with survivors
+    inside an MPI op, MPICH, which has no fault tolerance, may end the job before
+    the watchdog speaks), and under mpiexec the victim exits rather than dies by
+    a signal: Hydra kills the survivors within milliseconds of a rank killed by
+    a signal, even with -disable-auto-cleanup (CI once saw it win that race; a
+    killed rank under mpiexec is test_killed_rank_under_mpiexec_ends_the_job's)."""
     monkeypatch.setitem(ENV, "FAULT_STRANGERS", "1")
     if launch == "env":
         _spawn(3, ["gloo", "collective", "kill", "2"], tmp_path)
-        reports = _reports(tmp_path)
-        _check(reports, [0, 1], "gloo", "rank 2 died (its process ended)", limit=0.5 + 1.0 + KILL_SLACK)
     else:
-        proc = _mpiexec(3, ["gloo", "collective", "kill", "2"], tmp_path,
+        proc = _mpiexec(3, ["gloo", "collective", "exit", "2"], tmp_path,
                         extra=["--extra=-disable-auto-cleanup"])
         out = proc.stdout + proc.stderr
-        assert "rank 2 died (its process ended)" in out, out[-3000:]
+        assert "rank 0: rank 2 died (its process ended)\n" in out, out[-3000:]
+        assert "rank 1: rank 2 died (its process ended)\n" in out, out[-3000:]
         assert "rank 1 died" not in out and "rank 0 died" not in out, out[-3000:]
+    _check(_reports(tmp_path), [0, 1], "gloo", "rank 2 died (its process ended)", limit=0.5 + 1.0 + KILL_SLACK)
     assert int((tmp_path / "rejected").read_text()) >= 10
 
 
@@ -239,25 +242,27 @@ def test_stuck_rank_times_out_everywhere_and_the_job_ends(tmp_path, monkeypatch,
 
 def test_a_rank_that_leaves_cleanly_is_not_reported_dead(tmp_path):
     """Rank 1 destroys its process group and exits while rank 0 still runs: its
-    goodbye reaches the watchdog, so nobody calls it dead; a later killed rank is."""
+    goodbye reaches the watchdog, so nobody calls it dead; rank 2, which ends
+    later without one (os._exit, as a crash; a rank killed by a signal has
+    Hydra kill the job within milliseconds, before rank 0 can say so), is."""
     script = tmp_path / "leave.py"
     script.write_text(
-        "import os, signal, sys, time, torch, mcrdl\n"
+        "import os, sys, time, torch, mcrdl\n"
         "mcrdl.init_process_group()\n"
         "rank = mcrdl.get_rank()\n"
         "mcrdl.all_reduce(torch.ones(4), backend='gloo')\n"
         "if rank == 1:\n"
         "    mcrdl.destroy_process_group(); sys.exit(0)\n"
         "if rank == 2:\n"
-        "    time.sleep(1.0); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    time.sleep(1.0); os._exit(1)\n"
         "time.sleep(2.0)\n"
         "print('rank 0 done', flush=True)\n")
     proc = subprocess.run([sys.executable, "-m", "mcrdl.cli", "run", "-n", "3", "--timeout", "60",
                            "--extra=-disable-auto-cleanup", FORKED, str(script)],
                           capture_output=True, text=True, env=ENV, timeout=90)
     out = proc.stdout + proc.stderr
-    assert "rank 0: rank 2 died (its process ended)" in out, out[-3000:]
-    assert "rank 1 died" not in out, out[-3000:]
+    assert "rank 0: rank 2 died (its process ended)\n" in out, out[-3000:]
+    assert "rank 1 died" not in out and "rank 0 done" in out, out[-3000:]
 
 
 def test_small_soak_every_ending_is_clean(tmp_path):

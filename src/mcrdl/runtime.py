@@ -531,7 +531,9 @@ class Runtime:
         self.engine.note_death(rank, how)
         self.dump_flight_recorder(how)
         if self.mpi_comm is not None:  # MPICH ends the job soon: say who first
-            print(f"mcrdl: rank {self.rank}: {how}", file=sys.stderr, flush=True)
+            # (one write, so that ranks sharing the launcher's stderr do not interleave a line)
+            sys.stderr.write(f"mcrdl: rank {self.rank}: {how}\n")
+            sys.stderr.flush()
             if not self._abort_at_exit:  # MPI_Finalize would wait for the dead rank forever
                 self._abort_at_exit = True
                 atexit.register(_abort_mpi_job, self.mpi_comm)

@@ -8,16 +8,20 @@ WHEN: collective (victim fails while peers are inside a blocking op),
       async (peers have async ops outstanding, including p2p with the victim),
       between (victim fails after an op completed; peers then start the next),
       p2p (2 ranks: the survivor is inside a blocking recv from the victim).
-ACTION: kill (SIGKILL) | stall (stops calling, process alive) | freeze (SIGSTOP:
-the whole process stops, its threads too; the launcher kills it later).
+ACTION: kill (SIGKILL) | exit (os._exit(1): the process ends at once, without
+its exit handlers, so without a goodbye, as a crash that exits would) | stall
+(stops calling, process alive) | freeze (SIGSTOP: the whole process stops, its
+threads too; the launcher kills it later).
 FAULT_STRANGERS=1: before the fault step, rank 1 attacks rank 0's watchdog
 (see ``strangers``) and rank 0 writes the connections it dropped to
 REPORT_DIR/rejected.
 Each survivor appends every error as it catches it to REPORT_DIR/rank<R>.jsonl
 (seconds from the fault step, message) and creates REPORT_DIR/done<R> at the
-end. Launch with ``--extra=-disable-auto-cleanup`` so that Hydra does not kill
-the survivors as soon as the victim dies (MPICH still ends the job when a
-survivor's MPI progress sees the dead peer: it has no fault tolerance).
+end. Under mpiexec, launch with ``--extra=-disable-auto-cleanup`` and ACTION exit
+so that Hydra does not kill the survivors as soon as the victim ends: it kills
+them anyway, within milliseconds, when the victim dies by a signal (seen with
+MPICH 5.0.2's Hydra), and MPICH ends the job when a survivor's MPI progress
+sees the dead peer (it has no fault tolerance).
 """
 import json
 import os
@@ -89,6 +93,8 @@ if os.environ.get("FAULT_STRANGERS") == "1":
 
 
 def fail() -> None:
+    if action == "exit":
+        os._exit(1)
     if action in ("kill", "freeze"):
         os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
     deadline = time.monotonic() + 120  # stuck: alive, not calling, until the survivors reported
