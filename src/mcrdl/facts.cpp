@@ -444,6 +444,8 @@ Py_ssize_t offset_of(PyTypeObject *type, const char *name)
 // ``a``, found on ``type``'s slot ``name``; false with an error when it has none.
 bool attr(Attr &a, PyTypeObject *type, const char *name)
 {
+    if (a.type == type)
+        return true; // found already (every init calls setup)
     if (a.name == nullptr && (a.name = PyUnicode_InternFromString(name)) == nullptr)
         return false;
     Py_ssize_t offset = offset_of(type, name);
@@ -1585,8 +1587,7 @@ PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                           &group_type))
         return nullptr;
     auto *pg_type = reinterpret_cast<PyTypeObject *>(group_type);
-    if ((a_g.type != pg_type && !attr(a_g, pg_type, "_g"))
-        || (a_coalescing.type != pg_type && !attr(a_coalescing, pg_type, "_coalescing")))
+    if (!attr(a_g, pg_type, "_g") || !attr(a_coalescing, pg_type, "_coalescing"))
         return nullptr;
     if (kind < 0 || kind >= T_KINDS || !PyCallable_Check(fallback) || !PyCallable_Check(work_init)) {
         PyErr_Format(PyExc_ValueError, "TorchMethod: a kind of 0-%d, a function, a type and its base's __init__",
