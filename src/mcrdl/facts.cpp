@@ -756,20 +756,27 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
     return work.release();
 }
 
-// nullptr with the CommError naming the op and backend (ops.could_not_start)
-// in place of the error being raised: an async start that failed.
-PyObject *unstarted(PyObject *op, PyObject *backend)
+// The error being raised, taken (cleared), normalized and with its traceback;
+// nullptr if none.
+PyObject *raised()
 {
     PyObject *type, *value, *trace;
     PyErr_Fetch(&type, &value, &trace);
     PyErr_NormalizeException(&type, &value, &trace);
-    if (trace != nullptr)
+    if (trace != nullptr && value != nullptr)
         PyException_SetTraceback(value, trace);
-    PyObject *error_args[3] = {op, backend, value};
-    PyObject *error = value ? PyObject_Vectorcall(D.unstarted, error_args, 3, nullptr) : nullptr;
     Py_XDECREF(type);
-    Py_XDECREF(value);
     Py_XDECREF(trace);
+    return value;
+}
+
+// nullptr with the CommError naming the op and backend (ops.could_not_start)
+// in place of the error being raised: an async start that failed.
+PyObject *unstarted(PyObject *op, PyObject *backend)
+{
+    THPObjectPtr value(raised());
+    PyObject *error_args[3] = {op, backend, value.get()};
+    PyObject *error = value ? PyObject_Vectorcall(D.unstarted, error_args, 3, nullptr) : nullptr;
     if (error != nullptr) {
         PyErr_SetObject(reinterpret_cast<PyObject *>(Py_TYPE(error)), error);
         Py_DECREF(error);
@@ -820,16 +827,8 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
         PyObject *request = pending.get();
         THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &request, 1, nullptr));
         if (!tested) {
-            PyObject *type, *value, *trace;
-            PyErr_Fetch(&type, &value, &trace);
-            PyErr_NormalizeException(&type, &value, &trace);
-            if (trace != nullptr)
-                PyException_SetTraceback(value, trace);
-            Py_XDECREF(type);
-            Py_XDECREF(trace);
-            if (value == nullptr)
+            if (!(failed = THPObjectPtr(raised())))
                 return nullptr;
-            failed = THPObjectPtr(value);
         } else
             done = tested.get() == Py_True;
     }
