@@ -529,7 +529,6 @@ class Runtime:
     def _peer_died(self, rank: int, how: str) -> None:
         """The watchdog saw ``rank``'s process end or freeze (called on its thread)."""
         self.engine.note_death(rank, how)
-        self.dump_flight_recorder(how)
         if self.mpi_comm is not None:  # MPICH ends the job soon: say who first
             # (one write, so that ranks sharing the launcher's stderr do not interleave a line)
             sys.stderr.write(f"mcrdl: rank {self.rank}: {how}\n")
@@ -537,6 +536,7 @@ class Runtime:
             if not self._abort_at_exit:  # MPI_Finalize would wait for the dead rank forever
                 self._abort_at_exit = True
                 atexit.register(_abort_mpi_job, self.mpi_comm)
+        self.dump_flight_recorder(how)
         time.sleep(DEATH_GRACE_S)
         self.engine.fail_for_death(rank)
 
