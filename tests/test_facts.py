@@ -307,3 +307,113 @@ def test_beats_arrive_while_the_gil_is_held_and_stop_once_removed(compiled):
         theirs.recv(4096)
     ours.close()
     theirs.close()
+
+
+def _locks():
+    import threading
+    return [pytest.param(threading.RLock, id="threading"),
+            pytest.param(lambda: COMPILED.RLock(), id="compiled",
+                         marks=pytest.mark.skipif(COMPILED is facts, reason=facts.status()))]
+
+
+@pytest.mark.parametrize("make", _locks())
+def test_engine_lock_behaves_as_threading_rlock(make):
+    """facts.cpp's RLock (the engine's lock, which track() and finished() take without
+    a call) does what threading.RLock does, side by side: reentrant, owned by one
+    thread, a timeout and a non-blocking try, the same errors, and what
+    threading.Condition needs (a wait gives back every hold and takes them again)."""
+    import threading
+    import time
+
+    lock = make()
+    assert lock.acquire() and lock.acquire(blocking=True) and lock._is_owned()
+    lock.release()
+    with lock:
+        assert lock._is_owned()
+    lock.release()
+    assert not lock._is_owned()
+    with pytest.raises(RuntimeError, match="cannot release un-acquired lock"):
+        lock.release()
+    with pytest.raises(ValueError, match="can't specify a timeout for a non-blocking call"):
+        lock.acquire(False, 1)
+    with pytest.raises(ValueError, match="timeout value must be positive"):
+        lock.acquire(timeout=-2)
+
+    held, free, seen = threading.Event(), threading.Event(), {}
+
+    def other():  # holds it until told; meanwhile its release from here must fail
+        with lock:
+            held.set()
+            free.wait(10)
+        lock.acquire()
+        seen["released by another thread"] = None
+        held.set()
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert held.wait(10)
+    held.clear()
+    assert not lock.acquire(False) and not lock._is_owned()
+    start = time.monotonic()
+    assert not lock.acquire(timeout=0.2)
+    assert 0.15 < time.monotonic() - start < 5
+    with pytest.raises(RuntimeError, match="cannot release un-acquired lock"):
+        lock.release()
+    free.set()
+    assert held.wait(10)  # (the other thread took it again and keeps it)
+    assert not lock.acquire(timeout=0.05)
+    thread.join(10)
+
+    lock = make()  # a Condition over it: wait() gives back both holds, then takes both again
+    ready, box = threading.Condition(lock), []
+
+    def waiter():
+        with ready, lock:
+            while not box:
+                ready.wait(10)
+            box.append(lock._is_owned())
+        box.append(lock._is_owned())
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.1)
+    with ready:
+        box.append("notified")
+        ready.notify()
+    thread.join(10)
+    assert box == ["notified", True, False] and not thread.is_alive()
+
+
+WAITS_WITHOUT_THE_GIL = """
+import signal, sys, threading, time
+from mcrdl import facts
+lock = facts.load().RLock()
+held, counted = threading.Event(), []
+def holder():  # Python work under the lock: it needs the GIL while the main thread waits
+    with lock:
+        held.set()
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            counted.append(1)
+threading.Thread(target=holder).start()
+held.wait()
+with lock:
+    print("took it after", len(counted) > 1000)
+def alarm(*_):
+    raise TimeoutError("the handler ran")
+signal.signal(signal.SIGALRM, alarm)
+threading.Thread(target=lambda: (lock.acquire(), time.sleep(5)), daemon=True).start()
+time.sleep(0.1)
+signal.setitimer(signal.ITIMER_REAL, 0.2)
+try:
+    lock.acquire()
+except TimeoutError as exc:
+    print("interrupted:", exc)
+"""
+
+
+def test_engine_lock_waits_without_the_gil_and_for_signal_handlers(compiled):
+    """A thread waiting for the compiled RLock lets the holder run Python (it would
+    deadlock holding the GIL), and a signal handler that raises ends the wait
+    with its error, as threading.RLock's does."""
+    out = subprocess.run([sys.executable, "-c", WAITS_WITHOUT_THE_GIL], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.splitlines() == ["took it after True", "interrupted: the handler ran"], out.stderr

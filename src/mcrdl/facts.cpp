@@ -10,7 +10,8 @@
 // starts the compiled MPI starters (adopt()) itself, and an async call's Work
 // is made (track) and, on MPI, waited for (finished) here too.
 // Beats is the watchdog's heartbeat (watchdog.py), sent from a thread that never
-// takes the GIL.
+// takes the GIL; RLock is the engine's lock (work.py), which track() and
+// finished() take without a call.
 // TorchMethod is ProcessGroupMCRDL's (integrations/torch_backend.py) common
 // calls in C: it reads torch's options struct and calls the driver without a
 // Python frame, and hands every other call to the Python method it stands for.
@@ -562,12 +563,217 @@ PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
     return starter_start(start, addr, argv, argc);
 }
 
+// ---------------------------------------------------------------- the engine's lock
+// RLock(): threading.RLock (reentrant, owned by the thread that took it, taken
+// without the GIL while it waits), which track() and finished() take and give
+// back without a call: CPython's RLock.acquire parses its arguments on every
+// call, and an async op takes the lock twice. It has what threading.Condition uses (_is_owned,
+// _release_save, _acquire_restore). owner and count change only under the GIL.
+struct RLock {
+    PyObject_HEAD
+    PyThread_type_lock mutex;
+    unsigned long owner, count;
+};
+
+// Wait up to ``timeout`` µs (-1: forever) for the mutex, without the GIL,
+// running signal handlers when a signal interrupts the wait; false on a
+// timeout, false with an error if a handler raised.
+bool wait_for(PyThread_type_lock mutex, long long timeout)
+{
+    if (PyThread_acquire_lock_timed(mutex, 0, 0) == PY_LOCK_ACQUIRED)
+        return true;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long deadline = now.tv_sec * 1000000LL + now.tv_nsec / 1000 + timeout;
+    while (timeout != 0) {
+        PyLockStatus got;
+        Py_BEGIN_ALLOW_THREADS
+        got = PyThread_acquire_lock_timed(mutex, timeout, 1);
+        Py_END_ALLOW_THREADS
+        if (got != PY_LOCK_INTR)
+            return got == PY_LOCK_ACQUIRED;
+        if (Py_MakePendingCalls() < 0)
+            return false;
+        if (timeout > 0) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            timeout = std::max(0LL, deadline - (now.tv_sec * 1000000LL + now.tv_nsec / 1000));
+        }
+    }
+    return PyThread_acquire_lock_timed(mutex, 0, 0) == PY_LOCK_ACQUIRED;
+}
+
+// Take ``lock`` for this thread, waiting up to ``timeout`` µs (-1: forever).
+bool take(RLock *lock, long long timeout = -1)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    if (lock->count > 0 && lock->owner == me) {
+        if (lock->count == ULONG_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "RLock: taken too many times");
+            return false;
+        }
+        lock->count++;
+        return true;
+    }
+    if (!wait_for(lock->mutex, timeout))
+        return false;
+    lock->owner = me;
+    lock->count = 1;
+    return true;
+}
+
+// Give ``lock`` back once; false with an error if this thread does not hold it.
+bool give(RLock *lock)
+{
+    if (lock->count == 0 || lock->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return false;
+    }
+    if (--lock->count == 0) {
+        lock->owner = 0;
+        PyThread_release_lock(lock->mutex);
+    }
+    return true;
+}
+
+PyObject *rlock_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "RLock() takes no arguments");
+        return nullptr;
+    }
+    auto *self = reinterpret_cast<RLock *>(type->tp_alloc(type, 0));
+    if (self != nullptr && (self->mutex = PyThread_allocate_lock()) == nullptr) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return reinterpret_cast<PyObject *>(self);
+}
+
+void rlock_dealloc(RLock *self)
+{
+    if (self->mutex != nullptr) {
+        if (self->count > 0)
+            PyThread_release_lock(self->mutex);
+        PyThread_free_lock(self->mutex);
+    }
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
+}
+
+// acquire(blocking=True, timeout=-1): as threading.RLock's.
+PyObject *rlock_acquire(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    int blocking = 1;
+    double seconds = -1;
+    static const char *names[] = {"blocking", "timeout", nullptr};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|pd:acquire", const_cast<char **>(names), &blocking, &seconds))
+        return nullptr;
+    if (!blocking && seconds != -1) {
+        PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+        return nullptr;
+    }
+    if (seconds < 0 && seconds != -1) {
+        PyErr_SetString(PyExc_ValueError, "timeout value must be positive");
+        return nullptr;
+    }
+    if (seconds > static_cast<double>(PY_TIMEOUT_MAX) / 1e6) {
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return nullptr;
+    }
+    long long timeout = !blocking ? 0 : seconds < 0 ? -1 : static_cast<long long>(seconds * 1e6);
+    if (take(reinterpret_cast<RLock *>(self), timeout))
+        Py_RETURN_TRUE;
+    return PyErr_Occurred() ? nullptr : Py_NewRef(Py_False);
+}
+
+PyObject *rlock_enter(PyObject *self, PyObject *)
+{
+    return take(reinterpret_cast<RLock *>(self)) ? Py_NewRef(Py_True) : nullptr;
+}
+
+PyObject *rlock_release(PyObject *self, PyObject *)
+{
+    return give(reinterpret_cast<RLock *>(self)) ? Py_NewRef(Py_None) : nullptr;
+}
+
+PyObject *rlock_exit(PyObject *self, PyObject *const *, Py_ssize_t)
+{
+    return rlock_release(self, nullptr);
+}
+
+PyObject *rlock_is_owned(PyObject *self, PyObject *)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    return PyBool_FromLong(lock->count > 0 && lock->owner == PyThread_get_thread_ident());
+}
+
+// _release_save(): given back however often it was taken; (count, owner) for _acquire_restore.
+PyObject *rlock_release_save(PyObject *self, PyObject *)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    if (lock->count == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return nullptr;
+    }
+    PyObject *state = Py_BuildValue("(kk)", lock->count, lock->owner);
+    if (state == nullptr)
+        return nullptr;
+    lock->count = 0;
+    lock->owner = 0;
+    PyThread_release_lock(lock->mutex);
+    return state;
+}
+
+PyObject *rlock_acquire_restore(PyObject *self, PyObject *state)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    unsigned long count, owner;
+    if (!PyArg_ParseTuple(state, "kk:_acquire_restore", &count, &owner))
+        return nullptr;
+    if (!wait_for(lock->mutex, -1))
+        return nullptr;
+    lock->owner = owner;
+    lock->count = count;
+    Py_RETURN_NONE;
+}
+
+PyObject *rlock_repr(PyObject *self)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    return PyUnicode_FromFormat("<%s mcrdl_facts.RLock owner=%lu count=%lu at %p>",
+                                lock->count ? "locked" : "unlocked", lock->owner, lock->count, self);
+}
+
+PyMethodDef rlock_methods[] = {
+    {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rlock_acquire)),
+     METH_VARARGS | METH_KEYWORDS, "acquire(blocking=True, timeout=-1): as threading.RLock's"},
+    {"release", rlock_release, METH_NOARGS, "release(): once (RuntimeError if this thread does not hold it)"},
+    {"__enter__", rlock_enter, METH_NOARGS, nullptr},
+    {"__exit__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rlock_exit)), METH_FASTCALL, nullptr},
+    {"_is_owned", rlock_is_owned, METH_NOARGS, nullptr},
+    {"_release_save", rlock_release_save, METH_NOARGS, nullptr},
+    {"_acquire_restore", rlock_acquire_restore, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyTypeObject RLockType = [] {
+    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "mcrdl_facts.RLock";
+    t.tp_basicsize = sizeof(RLock);
+    t.tp_flags = Py_TPFLAGS_DEFAULT;
+    t.tp_doc = "RLock(): threading.RLock, which compiled code takes without a call";
+    t.tp_new = rlock_new;
+    t.tp_dealloc = reinterpret_cast<destructor>(rlock_dealloc);
+    t.tp_repr = rlock_repr;
+    t.tp_methods = rlock_methods;
+    return t;
+}();
+
 // What track() and finished() read: Work's slots (their offsets, from its
 // member descriptors), the MPI Request type and work.RECEIVES; set by adopt().
 struct WorkSlots {
     PyTypeObject *type = nullptr, *request = nullptr;
     PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
-    PyObject *s_domains = nullptr, *s_acquire = nullptr, *s_release = nullptr, *s_test = nullptr, *s_domain = nullptr;
+    PyObject *s_domains = nullptr, *s_test = nullptr, *s_domain = nullptr;
     Py_ssize_t op, engine, pending, post, done, error, future, stream, backend, group, peer, reads, writes, deadline,
         result, settled, spans;
 } W;
@@ -578,31 +784,6 @@ inline void put(PyObject *o, Py_ssize_t offset, PyObject *value)
 {
     Py_INCREF(value);
     Py_XSETREF(slot(o, offset), value);
-}
-
-// Take ``lock`` (the engine's RLock; waiting without the GIL); false with an error if that failed.
-bool acquire(PyObject *lock)
-{
-    PyObject *held = PyObject_VectorcallMethod(W.s_acquire, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    Py_XDECREF(held);
-    return held != nullptr;
-}
-
-// Release ``lock`` keeping the error being raised, if any; false if the release failed.
-bool release(PyObject *lock)
-{
-    PyObject *type, *value, *trace;
-    PyErr_Fetch(&type, &value, &trace);
-    PyObject *out = PyObject_VectorcallMethod(W.s_release, &lock, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-    if (out == nullptr) {
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(trace);
-        return false;
-    }
-    Py_DECREF(out);
-    PyErr_Restore(type, value, trace);
-    return true;
 }
 
 // An address kept as a Python int (ranges()'s): PyLong_AsSize_t reads its
@@ -700,8 +881,8 @@ PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
 // library to the engine's progress domains) under the engine's lock. ``done``:
 // the op completed in its start (an MPI request its first test found done):
 // its Work is made as finished() leaves one, and no other thread ever sees it
-// outstanding. None: Work is not adopted, or a member of the group died
-// meanwhile: Engine.run's turn.
+// outstanding. None: Work is not adopted, the engine's lock is not an RLock
+// of this module, or a member of the group died meanwhile: Engine.run's turn.
 PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend, PyObject *pending, PyObject *reads,
                 PyObject *writes, PyObject *result, PyObject *spans, PyObject *peer, bool done)
 {
@@ -709,6 +890,11 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
     int lost = W.type == nullptr ? 1 : done ? 0 : truth(engine, a_lost);
     if (lost != 0)
         return lost < 0 ? nullptr : Py_NewRef(Py_None);
+    THPObjectPtr lock(done ? nullptr : get(engine, a_lock));
+    if (!done && !lock)
+        return nullptr;
+    if (!done && Py_TYPE(lock.get()) != &RLockType)
+        Py_RETURN_NONE;
     THPObjectPtr timeout(get(g, a_timeout));
     double seconds = timeout ? PyFloat_AsDouble(timeout.get()) : -1.0;
     if (seconds == -1.0 && PyErr_Occurred())
@@ -734,8 +920,8 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
         put(o, entry.at, entry.value);
     if (done)
         return work.release();
-    THPObjectPtr lock(get(engine, a_lock));
-    if (!lock || !acquire(lock.get()))
+    auto *held = reinterpret_cast<RLock *>(lock.get());
+    if (!take(held))
         return nullptr;
     bool ok = true;
     if (domain.get() != Py_None) { // (the set is replaced, never mutated: readers take it without the lock)
@@ -751,7 +937,7 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
     }
     THPObjectPtr outstanding(ok ? get(engine, a_outstanding) : nullptr);
     ok = outstanding && PyList_Append(outstanding.get(), o) == 0;
-    if (!release(lock.get()) || !ok)
+    if (!give(held) || !ok)
         return nullptr;
     return work.release();
 }
@@ -1071,7 +1257,8 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
 
 // finished(work, burst, turns): Work.wait()'s common case compiled: an
 // untimed wait for a work whose request is an MPI Request, MPI the only
-// library ever outstanding, no future and no completion steps. It makes up to
+// library ever outstanding, no future, no completion steps, and the engine's
+// lock an RLock of this module. It makes up to
 // ``turns`` turns of ``burst`` tests under the engine's lock, as the Python
 // wait's first polls do (Engine._test_one); complete, it takes the work out of
 // the engine and marks it done as Work._finish does (True). False: not done
@@ -1104,15 +1291,18 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
     THPObjectPtr lock(get(engine, a_lock));
     if (!lock)
         return nullptr;
+    if (Py_TYPE(lock.get()) != &RLockType)
+        Py_RETURN_FALSE;
+    auto *held = reinterpret_cast<RLock *>(lock.get());
     Py_INCREF(pending);
     THPObjectPtr own(pending); // (another thread may finish the work and drop it between turns)
     for (long turn = 0; turn < turns; turn++) {
-        if (!acquire(lock.get()))
+        if (!take(held))
             return nullptr;
         if (slot(work, W.done) != Py_False || slot(work, W.pending) != pending || slot(work, W.future) != Py_None) {
             bool clean = slot(work, W.done) == Py_True && slot(work, W.error) == Py_None
                          && slot(work, W.stream) == Py_None; // (finished by another thread)
-            if (!release(lock.get()))
+            if (!give(held))
                 return nullptr;
             return Py_NewRef(clean ? Py_True : Py_False);
         }
@@ -1122,21 +1312,21 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
             complete = tested ? PyObject_IsTrue(tested.get()) : -1;
         }
         if (complete == 0) {
-            if (!release(lock.get()))
+            if (!give(held))
                 return nullptr;
             continue;
         }
         THPObjectPtr outstanding(complete == 1 ? get(engine, a_outstanding) : nullptr);
         int receive = outstanding ? PySet_Contains(W.receives, slot(work, W.op)) : -1;
         if (receive < 0) {
-            release(lock.get());
+            give(held);
             return nullptr;
         }
         if (PyList_CheckExact(outstanding.get()))
             for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outstanding.get()); i++)
                 if (PyList_GET_ITEM(outstanding.get(), i) == work) {
                     if (PyList_SetSlice(outstanding.get(), i, i + 1, nullptr) < 0) {
-                        release(lock.get());
+                        give(held);
                         return nullptr;
                     }
                     break;
@@ -1147,7 +1337,7 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
         if (!receive) // (a receive's request still names its sender)
             put(work, W.pending, Py_None);
         put(work, W.post, W.empty);
-        if (!release(lock.get()))
+        if (!give(held))
             return nullptr;
         Py_RETURN_TRUE;
     }
@@ -1182,7 +1372,7 @@ PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
         || (w.spans = offset_of(work, "_spans")) < 0)
         return nullptr;
     struct { PyObject **s; const char *text; } names[] = {
-        {&w.s_domains, "_domains"}, {&w.s_acquire, "acquire"}, {&w.s_release, "release"},
+        {&w.s_domains, "_domains"},
         {&w.s_test, "test"}, {&w.domain, "mpi"}, {&w.s_domain, "progress_domain"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
@@ -1697,12 +1887,13 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_facts", nullptr, -1, methods
 
 PyMODINIT_FUNC PyInit_mcrdl_facts(void)
 {
-    if (PyType_Ready(&BeatsType) < 0 || PyType_Ready(&TorchMethodType) < 0)
+    if (PyType_Ready(&BeatsType) < 0 || PyType_Ready(&TorchMethodType) < 0 || PyType_Ready(&RLockType) < 0)
         return nullptr;
     PyObject *m = PyModule_Create(&module);
     if (m == nullptr)
         return nullptr;
     if (PyModule_AddObjectRef(m, "Beats", reinterpret_cast<PyObject *>(&BeatsType)) < 0
+        || PyModule_AddObjectRef(m, "RLock", reinterpret_cast<PyObject *>(&RLockType)) < 0
         || PyModule_AddObjectRef(m, "TorchMethod", reinterpret_cast<PyObject *>(&TorchMethodType)) < 0) {
         Py_DECREF(m);
         return nullptr;

@@ -457,8 +457,10 @@ class Engine:
                  "_signalled", "_fresh", "_closing", "lost", "_ranges", "_domains")
 
     def __init__(self) -> None:
+        compiled = facts.load()
         self.outstanding: list[Work] = []
-        self._lock = threading.RLock()
+        # (facts.cpp's track() and finished() take only its own RLock: without it they leave the work to Python)
+        self._lock = threading.RLock() if compiled is facts else compiled.RLock()
         self._abandoned: list = []  # (pending, buffers) of requests that missed a deadline
         #: Told once of each work that timed out or that its library failed,
         #: before the error reaches the user; returns a sentence on the state
@@ -473,7 +475,6 @@ class Engine:
         self._fresh = False  # a work arrived since the futures thread's spin began
         self._closing = False
         self.lost: dict[int, tuple] = {}  # global rank -> (how it died, when): the watchdog's
-        compiled = facts.load()
         self._ranges = compiled.ranges  # compiled: None for what only facts.ranges reads
         global _finished
         _finished = getattr(compiled, "finished", _finished)

@@ -232,6 +232,10 @@ if "mpi" in (args.backends or mcrdl.live_backends("cpu")):
     compiled = facts.load() is not facts  # (pure Python: every Work is outstanding until waited)
     verdicts.check("some sends and receives are born done on the compiled path only", (born > 0) == compiled,
                    "some" if compiled else 0, born)
+    # (track() and finished() take only facts.cpp's lock: with another, every async MPI work goes through Python)
+    verdicts.check("the engine's lock is facts.cpp's RLock where compiled",
+                   type(engine._lock).__module__ == ("mcrdl_facts" if compiled else "_thread"),
+                   "mcrdl_facts" if compiled else "_thread", type(engine._lock))
 verdicts.check("paths done", True)
 print(f"rank {rank}: {calls} calls through {len(DRIVERS)} drivers")
 mcrdl.destroy_process_group()
