@@ -381,7 +381,7 @@ typedef PyObject *(*start_fn)(PyObject *starter, void *const *addr, PyObject *co
 PyTypeObject *starter_type = nullptr;
 start_fn starter_start = nullptr;
 
-PyObject *s_runtime, *s_run_op, *s_work, *s_result, *s_op; // (TorchMethod's)
+PyObject *s_runtime, *s_run_op; // (TorchMethod's)
 PyObject *s_enabled, *s_order_before, *s_run, *s_retire, *s_peer;
 
 // A borrowed-like read: a new reference to obj.name (nullptr with an error).
@@ -408,6 +408,7 @@ Attr a_debug, a_engine, a_observer, a_world;          // Runtime's
 Attr a_outstanding, a_lost, a_lock, a_domains;        // Engine's
 Attr a_starters, a_timeout, a_rank, a_size, a_ranks;  // Group's
 Attr a_g, a_coalescing;                               // ProcessGroupMCRDL's (TorchMethod's)
+Attr a_work, a_result, a_op;                          // MCRDLTorchWork's (TorchMethod's)
 
 // A new reference to obj.<a> (nullptr with an error; an unset slot's is the lookup's).
 inline PyObject *get(PyObject *obj, const Attr &a)
@@ -529,9 +530,16 @@ PyObject *counts_of(PyObject *splits, Py_ssize_t size, int64_t rows, long long r
     return out;
 }
 
-// The tensors at ``at`` (a tuple of indices) that are not None (ops._pick).
+// The tensors at ``at`` (a tuple of indices) that are not None (ops._pick):
+// ``tensors`` itself when that is all of them, in order.
 PyObject *pick(PyObject *tensors, PyObject *at)
 {
+    bool whole = PyTuple_GET_SIZE(at) == PyTuple_GET_SIZE(tensors);
+    for (Py_ssize_t i = 0; whole && i < PyTuple_GET_SIZE(at); i++)
+        whole = PyLong_AsSsize_t(PyTuple_GET_ITEM(at, i)) == i && PyTuple_GET_ITEM(tensors, i) != Py_None;
+    if (whole)
+        return Py_NewRef(tensors);
+    PyErr_Clear(); // (an index that is not one: named below)
     PyObject *out = PyTuple_New(PyTuple_GET_SIZE(at));
     Py_ssize_t n = 0;
     for (Py_ssize_t i = 0; out != nullptr && i < PyTuple_GET_SIZE(at); i++) {
@@ -1237,8 +1245,7 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     D = d;
     struct { PyObject **s; const char *text; } names[] = {
         {&s_enabled, "_is_profiler_enabled"}, {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_retire, "_retire"},
-        {&s_peer, "peer"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"}, {&s_work, "_work"},
-        {&s_result, "_result"}, {&s_op, "_op"}};
+        {&s_peer, "peer"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;
@@ -1608,8 +1615,9 @@ template <typename Options> int asynchronous(PyObject *opts)
 // The call as TorchMethod runs it; nullptr without an error: the Python method's.
 PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
 {
-    if (n < 2)
-        return nullptr;
+    PyTypeObject *work_type = reinterpret_cast<PyTypeObject *>(m->work_type);
+    if (n < 2 || a_work.type != work_type || a_result.type != work_type || a_op.type != work_type)
+        return nullptr; // (the Work's slots are known for one type)
     PyObject *self = args[0], *found = PyDict_GetItemWithError(m->api_globals, s_runtime);
     THPObjectPtr rt(found == nullptr || found == Py_None ? nullptr : Py_NewRef(found));
     found = rt ? PyDict_GetItemWithError(m->api_globals, s_run_op) : nullptr;
@@ -1727,13 +1735,14 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
     Py_INCREF(out);
     PyList_SET_ITEM(result.get(), 0, out);
     // MCRDLTorchWork(work, result, name), made as its __init__ does without its frame
-    PyTypeObject *type = reinterpret_cast<PyTypeObject *>(m->work_type);
-    THPObjectPtr made(type->tp_new(type, D.empty, nullptr));
+    THPObjectPtr made(work_type->tp_new(work_type, D.empty, nullptr));
     PyObject *self_arg[1] = {made.get()};
     THPObjectPtr base(made ? PyObject_Vectorcall(m->work_init, self_arg, 1, nullptr) : nullptr);
-    if (!base || PyObject_SetAttr(made.get(), s_work, work.get()) < 0
-        || PyObject_SetAttr(made.get(), s_result, result.get()) < 0 || PyObject_SetAttr(made.get(), s_op, m->name) < 0)
+    if (!base)
         return nullptr;
+    put(made.get(), a_work.offset, work.get()); // (its slots: made is of exactly that type)
+    put(made.get(), a_result.offset, result.get());
+    put(made.get(), a_op.offset, m->name);
     return made.release();
 }
 
@@ -1776,7 +1785,9 @@ PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                           &group_type))
         return nullptr;
     auto *pg_type = reinterpret_cast<PyTypeObject *>(group_type);
-    if (!attr(a_g, pg_type, "_g") || !attr(a_coalescing, pg_type, "_coalescing"))
+    auto *made_type = reinterpret_cast<PyTypeObject *>(work_type);
+    if (!attr(a_g, pg_type, "_g") || !attr(a_coalescing, pg_type, "_coalescing") || !attr(a_work, made_type, "_work")
+        || !attr(a_result, made_type, "_result") || !attr(a_op, made_type, "_op"))
         return nullptr;
     if (kind < 0 || kind >= T_KINDS || !PyCallable_Check(fallback) || !PyCallable_Check(work_init)) {
         PyErr_Format(PyExc_ValueError, "TorchMethod: a kind of 0-%d, a function, a type and its base's __init__",
