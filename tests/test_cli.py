@@ -199,18 +199,21 @@ def test_run_propagates_failure_and_kills_on_timeout(tmp_path):
 def test_ranks_the_launcher_leaves_behind_do_not_outlive_mcrdl_run(tmp_path):
     """A launcher that exits before its ranks (mpiexec on Ctrl-C) orphans them, and
     ranks in sessions of their own (MPICH's proxy starts them so) are out of reach
-    of the launch's process group: `mcrdl run` still ends them."""
+    of the launch's process group: `mcrdl run` still ends them, and says so (a rank
+    killed that way would otherwise end without a word)."""
     pidfile = tmp_path / "rank.pid"
     rank = (f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
             "time.sleep(600)")
     exits_at_once = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {rank!r}], "
                      f"start_new_session=True); time.sleep(1)")
-    code = subprocess.run([sys.executable, "-c", "import sys; from mcrdl import launcher; "
+    done = subprocess.run([sys.executable, "-c", "import sys; from mcrdl import launcher; "
                            f"sys.exit(launcher.run([sys.executable, '-c', {exits_at_once!r}]))"],
-                          cwd=ROOT, timeout=60).returncode
+                          cwd=ROOT, timeout=60, capture_output=True, text=True)
     pid = int(pidfile.read_text())
     try:
-        assert code == 0 and not running(pid), "the orphaned rank outlived mcrdl run"
+        assert done.returncode == 0 and not running(pid), "the orphaned rank outlived mcrdl run"
+        assert (f"mcrdl run: the launcher exited with 0 while 1 process(es) of its job still ran (pids {pid}); "
+                "killing them") in done.stderr, done.stderr
     finally:
         if running(pid):
             os.kill(pid, signal.SIGKILL)

@@ -256,6 +256,7 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     start = time.monotonic()
+    code = None
     try:
         while True:
             try:
@@ -274,6 +275,10 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
         # ranks or proxies the launcher left behind; those orphaned when it exited
         # (ranks of MPICH's proxy live in sessions of their own) are below us now
         orphans = [p for p in processes_below(os.getpid()) if p not in before] if adopting else []
+        running = [p for p in orphans if _alive(p)]
+        if running and code is not None and not received:  # (a launcher that ends before its ranks: say so)
+            print(f"mcrdl run: the launcher exited with {code} while {len(running)} process(es) of its job "
+                  f"still ran (pids {' '.join(map(str, running))}); killing them", file=sys.stderr)
         _kill_job(proc.pid, orphans)
         for p in orphans:  # our children now: reap them
             try:
