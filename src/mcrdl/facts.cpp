@@ -118,49 +118,57 @@ PyObject *pair(PyObject *, PyObject *const *args, Py_ssize_t n)
     END_HANDLE_TH_ERRORS
 }
 
-// span(parts, n, dtype, nbytes[, apart]): the address of parts[0] when parts
-// is a list or tuple of n qualifying tensors of that dtype and size, none
+// The address of parts[0] in ``base`` when parts is a list or tuple of
+// ``count`` qualifying tensors of ``dtype`` and ``step`` bytes each, none
 // requiring grad, lying back to back in memory (x.chunk(n) makes them) and
-// sharing no byte with the qualifying tensor apart (when given); else None.
+// sharing no byte with the qualifying tensor ``apart`` (when not None); else false.
+bool span_at(PyObject *parts, Py_ssize_t count, at::ScalarType dtype, Py_ssize_t step, PyObject *apart,
+             uintptr_t *base)
+{
+    if (!PyList_CheckExact(parts) && !PyTuple_CheckExact(parts))
+        return false;
+    PyObject **items = PySequence_Fast_ITEMS(parts);
+    if (count < 1 || PySequence_Fast_GET_SIZE(parts) != count)
+        return false;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const at::Tensor *t = usable(items[i]);
+        if (t == nullptr || t->scalar_type() != dtype || t->nbytes() != static_cast<size_t>(step)
+            || t->requires_grad())
+            return false;
+        auto at = reinterpret_cast<uintptr_t>(t->data_ptr());
+        if (i == 0)
+            *base = at;
+        else if (at != *base + static_cast<uintptr_t>(i * step))
+            return false;
+    }
+    if (apart != Py_None) { // (checked last, as facts.py does)
+        const at::Tensor *other = usable(apart);
+        if (other == nullptr)
+            return false;
+        auto at = reinterpret_cast<uintptr_t>(other->data_ptr());
+        if (at < *base + static_cast<uintptr_t>(count * step) && *base < at + other->nbytes())
+            return false;
+    }
+    return true;
+}
+
+// span(parts, n, dtype, nbytes[, apart]): span_at's address, else None.
 PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
     HANDLE_TH_ERRORS
     if (n != 5 && !nargs("span", n, 4))
         return nullptr;
-    PyObject *parts = args[0];
     if (!THPDtype_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "span: dtype must be a torch.dtype");
         return nullptr;
     }
-    if (!PyList_CheckExact(parts) && !PyTuple_CheckExact(parts))
-        Py_RETURN_NONE;
     Py_ssize_t count = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[3]);
     if ((count == -1 || step == -1) && PyErr_Occurred())
         return nullptr;
-    at::ScalarType dtype = reinterpret_cast<THPDtype *>(args[2])->scalar_type;
-    PyObject **items = PySequence_Fast_ITEMS(parts);
-    if (count < 1 || PySequence_Fast_GET_SIZE(parts) != count)
+    uintptr_t base;
+    if (!span_at(args[0], count, reinterpret_cast<THPDtype *>(args[2])->scalar_type, step, n == 5 ? args[4] : Py_None,
+                 &base))
         Py_RETURN_NONE;
-    uintptr_t base = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        const at::Tensor *t = usable(items[i]);
-        if (t == nullptr || t->scalar_type() != dtype || t->nbytes() != static_cast<size_t>(step)
-            || t->requires_grad())
-            Py_RETURN_NONE;
-        auto at = reinterpret_cast<uintptr_t>(t->data_ptr());
-        if (i == 0)
-            base = at;
-        else if (at != base + static_cast<uintptr_t>(i * step))
-            Py_RETURN_NONE;
-    }
-    if (n == 5 && args[4] != Py_None) { // (checked last, as facts.py does)
-        const at::Tensor *apart = usable(args[4]);
-        if (apart == nullptr)
-            Py_RETURN_NONE;
-        auto at = reinterpret_cast<uintptr_t>(apart->data_ptr());
-        if (at < base + static_cast<uintptr_t>(count * step) && base < at + apart->nbytes())
-            Py_RETURN_NONE;
-    }
     return PyLong_FromSize_t(base);
     END_HANDLE_TH_ERRORS
 }
@@ -465,32 +473,29 @@ bool attr(Attr &a, PyTypeObject *type, const char *name)
 PyObject *list_view(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind, PyObject *single)
 {
     THPObjectPtr size(get(g, a_size));
-    if (!size || !PyTuple_CheckExact(kind) || PyTuple_GET_SIZE(kind) != 2)
+    if (!size || !PyTuple_CheckExact(kind) || PyTuple_GET_SIZE(kind) != 2 || !THPDtype_Check(PyTuple_GET_ITEM(kind, 1)))
         return nullptr;
-    PyObject *args[5] = {parts, size.get(), PyTuple_GET_ITEM(kind, 1), PyTuple_GET_ITEM(kind, 0), single};
-    THPObjectPtr at(span(nullptr, args, 5));
-    if (!at || at.get() == Py_None)
+    Py_ssize_t count = PyLong_AsSsize_t(size.get()), step = PyLong_AsSsize_t(PyTuple_GET_ITEM(kind, 0));
+    uintptr_t at;
+    if (PyErr_Occurred()
+        || !span_at(parts, count, reinterpret_cast<THPDtype *>(PyTuple_GET_ITEM(kind, 1))->scalar_type, step, single, &at))
         return nullptr;
     THPObjectPtr starters(get(g, a_starters));
     if (!starters)
         return nullptr;
     PyObject *memo = PyDict_GetItemWithError(starters.get(), name); // (address, nbytes, dtype, view)
-    if (memo != nullptr && PyTuple_CheckExact(memo) && PyTuple_GET_SIZE(memo) == 4
-        && PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 0), at.get(), Py_EQ) == 1
-        && PyObject_RichCompareBool(PyTuple_GET_ITEM(memo, 1), PyTuple_GET_ITEM(kind, 0), Py_EQ) == 1
-        && PyTuple_GET_ITEM(memo, 2) == PyTuple_GET_ITEM(kind, 1) && THPVariable_Check(PyTuple_GET_ITEM(memo, 3))) {
-        PyObject *view = PyTuple_GET_ITEM(memo, 3);
-        if (reinterpret_cast<uintptr_t>(THPVariable_Unpack(view).data_ptr()) == PyLong_AsSize_t(at.get())) {
-            Py_INCREF(view);
-            return view;
-        }
-    }
-    if (PyErr_Occurred())
+    if (memo == nullptr && PyErr_Occurred())
         return nullptr;
-    Py_ssize_t n = PyLong_AsSsize_t(size.get());
+    if (memo != nullptr && PyTuple_CheckExact(memo) && PyTuple_GET_SIZE(memo) == 4
+        && PyLong_CheckExact(PyTuple_GET_ITEM(memo, 0)) && PyLong_CheckExact(PyTuple_GET_ITEM(memo, 1))
+        && PyLong_AsSize_t(PyTuple_GET_ITEM(memo, 0)) == at && PyLong_AsSsize_t(PyTuple_GET_ITEM(memo, 1)) == step
+        && PyTuple_GET_ITEM(memo, 2) == PyTuple_GET_ITEM(kind, 1) && THPVariable_Check(PyTuple_GET_ITEM(memo, 3))
+        && reinterpret_cast<uintptr_t>(THPVariable_Unpack(PyTuple_GET_ITEM(memo, 3)).data_ptr()) == at)
+        return Py_NewRef(PyTuple_GET_ITEM(memo, 3));
+    PyErr_Clear(); // (a memo int past size_t: not this list's)
     const at::Tensor &first = THPVariable_Unpack(PySequence_Fast_ITEMS(parts)[0]);
     try { // a view of the first block's storage, which must hold them all
-        return THPVariable_Wrap(first.as_strided({n * first.numel()}, {1}));
+        return THPVariable_Wrap(first.as_strided({count * first.numel()}, {1}));
     } catch (const c10::Error &) {
         return nullptr;
     }
