@@ -212,8 +212,8 @@ def test_ranks_the_launcher_leaves_behind_do_not_outlive_mcrdl_run(tmp_path):
     pid = int(pidfile.read_text())
     try:
         assert done.returncode == 0 and not running(pid), "the orphaned rank outlived mcrdl run"
-        assert (f"mcrdl run: the launcher exited with 0 while 1 process(es) of its job still ran (pids {pid}); "
-                "killing them") in done.stderr, done.stderr
+        assert (f"mcrdl run: the launcher exited with 0 while 1 process(es) of its job still ran 1 s later "
+                f"(pids {pid}); killing them") in done.stderr, done.stderr
     finally:
         if running(pid):
             os.kill(pid, signal.SIGKILL)

@@ -338,6 +338,8 @@ def test_engine_lock_behaves_as_threading_rlock(make):
         lock.acquire(False, 1)
     with pytest.raises(ValueError, match="timeout value must be positive"):
         lock.acquire(timeout=-2)
+    with pytest.raises(ValueError, match="NaN"):
+        lock.acquire(timeout=float("nan"))
 
     held, free, seen = threading.Event(), threading.Event(), {}
 
@@ -375,9 +377,12 @@ def test_engine_lock_behaves_as_threading_rlock(make):
     thread = threading.Thread(target=waiter)
     thread.start()
     time.sleep(0.1)
-    with ready:
+    assert ready.acquire(timeout=10), "the waiter kept a hold of the lock while it waited"
+    try:
         box.append("notified")
         ready.notify()
+    finally:
+        ready.release()
     thread.join(10)
     assert box == ["notified", True, False] and not thread.is_alive()
 

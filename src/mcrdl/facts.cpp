@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <condition_variable>
 #include <initializer_list>
 #include <cstdio>
@@ -162,6 +163,8 @@ PyObject *span(PyObject *, PyObject *const *args, Py_ssize_t n)
         PyErr_SetString(PyExc_TypeError, "span: dtype must be a torch.dtype");
         return nullptr;
     }
+    if (!PyList_CheckExact(args[0]) && !PyTuple_CheckExact(args[0]))
+        Py_RETURN_NONE;
     Py_ssize_t count = PyLong_AsSsize_t(args[1]), step = PyLong_AsSsize_t(args[3]);
     if ((count == -1 || step == -1) && PyErr_Occurred())
         return nullptr;
@@ -684,6 +687,10 @@ PyObject *rlock_acquire(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
         return nullptr;
     }
+    if (std::isnan(seconds)) {
+        PyErr_SetString(PyExc_ValueError, "Invalid value NaN (not a number)");
+        return nullptr;
+    }
     if (seconds < 0 && seconds != -1) {
         PyErr_SetString(PyExc_ValueError, "timeout value must be positive");
         return nullptr;
@@ -692,7 +699,7 @@ PyObject *rlock_acquire(PyObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
         return nullptr;
     }
-    long long timeout = !blocking ? 0 : seconds < 0 ? -1 : static_cast<long long>(seconds * 1e6);
+    long long timeout = !blocking ? 0 : seconds < 0 ? -1 : static_cast<long long>(std::ceil(seconds * 1e6));
     if (take(reinterpret_cast<RLock *>(self), timeout))
         Py_RETURN_TRUE;
     return PyErr_Occurred() ? nullptr : Py_NewRef(Py_False);
@@ -742,8 +749,11 @@ PyObject *rlock_acquire_restore(PyObject *self, PyObject *state)
     unsigned long count, owner;
     if (!PyArg_ParseTuple(state, "kk:_acquire_restore", &count, &owner))
         return nullptr;
-    if (!wait_for(lock->mutex, -1))
-        return nullptr;
+    if (PyThread_acquire_lock(lock->mutex, NOWAIT_LOCK) == 0) { // (no signal ends this wait: as CPython's)
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(lock->mutex, WAIT_LOCK);
+        Py_END_ALLOW_THREADS
+    }
     lock->owner = owner;
     lock->count = count;
     Py_RETURN_NONE;
@@ -1745,6 +1755,10 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
     THPObjectPtr base(made ? PyObject_Vectorcall(m->work_init, self_arg, 1, nullptr) : nullptr);
     if (!base)
         return nullptr;
+    if (Py_TYPE(made.get()) != work_type) {
+        PyErr_Format(PyExc_TypeError, "TorchMethod: %s() made a %s", work_type->tp_name, Py_TYPE(made.get())->tp_name);
+        return nullptr;
+    }
     put(made.get(), a_work.offset, work.get()); // (its slots: made is of exactly that type)
     put(made.get(), a_result.offset, result.get());
     put(made.get(), a_op.offset, m->name);

@@ -174,6 +174,9 @@ def build_command(nprocs: int, argv: Sequence[str], launcher: str = "mpiexec",
 
 #: Seconds a job has to end after Ctrl-C/SIGTERM reached it before it is killed.
 STOP_GRACE_S = 5.0
+#: Seconds the processes a launcher leaves behind when it ends have to end too
+#: before `mcrdl run` says they still ran and kills them.
+ORPHAN_GRACE_S = 1.0
 
 
 def processes_below(pid: int) -> list[int]:
@@ -202,6 +205,15 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def _still_running(pids: Sequence[int], grace: float) -> list[int]:
+    """Those of ``pids`` still running after up to ``grace`` s (ranks a launcher
+    killed as it ended take a moment to go)."""
+    deadline = time.monotonic() + grace
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return [p for p in pids if _alive(p)]
 
 
 def _adopt_orphans() -> bool:
@@ -275,10 +287,12 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
         # ranks or proxies the launcher left behind; those orphaned when it exited
         # (ranks of MPICH's proxy live in sessions of their own) are below us now
         orphans = [p for p in processes_below(os.getpid()) if p not in before] if adopting else []
-        running = [p for p in orphans if _alive(p)]
-        if running and code is not None and not received:  # (a launcher that ends before its ranks: say so)
-            print(f"mcrdl run: the launcher exited with {code} while {len(running)} process(es) of its job "
-                  f"still ran (pids {' '.join(map(str, running))}); killing them", file=sys.stderr)
+        if code is not None and not received:  # (a launcher that ended before its ranks: say so)
+            running = _still_running(orphans, ORPHAN_GRACE_S)
+            if running:
+                print(f"mcrdl run: the launcher exited with {code} while {len(running)} process(es) of its job "
+                      f"still ran {ORPHAN_GRACE_S:g} s later (pids {' '.join(map(str, running))}); killing them",
+                      file=sys.stderr)
         _kill_job(proc.pid, orphans)
         for p in orphans:  # our children now: reap them
             try:

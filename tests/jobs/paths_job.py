@@ -226,6 +226,38 @@ def born_done(tries: int = 20) -> int:
     return born
 
 
+def lock_guards_async_works(hold_s: float = 0.3) -> bool:
+    """While another thread holds the engine's lock, an async all-reduce from its
+    plan (the compiled driver's track) cannot become outstanding, nor its wait
+    (finished) complete it: each returns only once the lock is free, right."""
+    import threading
+    x = torch.ones(4)
+    mcrdl.all_reduce(x, async_op=True, backend="mpi").wait()  # (the plan, built)
+    ok = True
+    for step in ("start", "wait"):
+        x.fill_(rank + 1)
+        work = mcrdl.all_reduce(x, async_op=True, backend="mpi") if step == "wait" else None
+        held = threading.Event()
+
+        def hold():
+            with engine._lock:
+                held.set()
+                time.sleep(hold_s)
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait()
+        start = time.monotonic()
+        if work is None:
+            work = mcrdl.all_reduce(x, async_op=True, backend="mpi")
+        else:
+            work.wait()
+        waited = time.monotonic() - start
+        holder.join()
+        work.wait()
+        ok &= waited >= hold_s * 0.8 and torch.equal(x, torch.full((4,), float(sum(range(1, world + 1)))))
+    return ok
+
+
 if "mpi" in (args.backends or mcrdl.live_backends("cpu")):
     torch_group = ProcessGroupMCRDL(api.current_runtime().world, rank, world)
     born = born_done()
@@ -236,6 +268,7 @@ if "mpi" in (args.backends or mcrdl.live_backends("cpu")):
     verdicts.check("the engine's lock is facts.cpp's RLock where compiled",
                    type(engine._lock).__module__ == ("mcrdl_facts" if compiled else "_thread"),
                    "mcrdl_facts" if compiled else "_thread", type(engine._lock))
+    verdicts.check("the lock guards async works on every path", lock_guards_async_works(), True, False)
 verdicts.check("paths done", True)
 print(f"rank {rank}: {calls} calls through {len(DRIVERS)} drivers")
 mcrdl.destroy_process_group()
