@@ -207,10 +207,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _still_running(pids: Sequence[int], grace: float) -> list[int]:
-    """Those of ``pids`` still running after up to ``grace`` s (ranks a launcher
-    killed as it ended take a moment to go)."""
-    deadline = time.monotonic() + grace
+def _wait_gone(pids: Sequence[int], seconds: float) -> list[int]:
+    """Wait up to ``seconds`` for ``pids`` to end; those still running then."""
+    deadline = time.monotonic() + seconds
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
     return [p for p in pids if _alive(p)]
@@ -242,9 +241,7 @@ def _kill_job(pid: int, also: Sequence[int] = ()) -> None:
             os.kill(p, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in below) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_gone(below, 5)
 
 
 def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP_GRACE_S) -> int:
@@ -288,7 +285,7 @@ def run(cmd: Sequence[str], timeout: Optional[float] = None, grace: float = STOP
         # (ranks of MPICH's proxy live in sessions of their own) are below us now
         orphans = [p for p in processes_below(os.getpid()) if p not in before] if adopting else []
         if code is not None and not received:  # (a launcher that ended before its ranks: say so)
-            running = _still_running(orphans, ORPHAN_GRACE_S)
+            running = _wait_gone(orphans, ORPHAN_GRACE_S)  # (ranks a launcher killed as it ended take a moment)
             if running:
                 print(f"mcrdl run: the launcher exited with {code} while {len(running)} process(es) of its job "
                       f"still ran {ORPHAN_GRACE_S:g} s later (pids {' '.join(map(str, running))}); killing them",
