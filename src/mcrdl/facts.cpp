@@ -13,8 +13,9 @@
 // takes the GIL; RLock is the engine's lock (work.py), which track() and
 // finished() take without a call.
 // TorchMethod is ProcessGroupMCRDL's (integrations/torch_backend.py) common
-// calls in C: it reads torch's options struct and calls the driver without a
-// Python frame, and hands every other call to the Python method it stands for.
+// calls in C, and its Works' wait: it reads torch's options struct and calls
+// the driver without a Python frame, and hands every other call to the Python
+// method it stands for.
 #include <Python.h>
 #include <structmember.h>
 #include <torch/csrc/Device.h>
@@ -392,7 +393,7 @@ typedef PyObject *(*start_fn)(PyObject *starter, void *const *addr, PyObject *co
 PyTypeObject *starter_type = nullptr;
 start_fn starter_start = nullptr;
 
-PyObject *s_runtime, *s_run_op; // (TorchMethod's)
+PyObject *s_runtime, *s_run_op, *s_wait, *s_burst, *s_first_polls; // (TorchMethod's)
 PyObject *s_enabled, *s_order_before, *s_run, *s_retire, *s_peer;
 
 // A borrowed-like read: a new reference to obj.name (nullptr with an error).
@@ -1260,7 +1261,8 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     D = d;
     struct { PyObject **s; const char *text; } names[] = {
         {&s_enabled, "_is_profiler_enabled"}, {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_retire, "_retire"},
-        {&s_peer, "peer"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"}};
+        {&s_peer, "peer"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"}, {&s_wait, "wait"},
+        {&s_burst, "_burst"}, {&s_first_polls, "FIRST_POLLS"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;
@@ -1286,47 +1288,39 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
 // the engine and marks it done as Work._finish does (True). False: not done
 // by then, or another case; the Python wait goes on from where this left it.
 // What a test raises (the library failed) raises here; the caller retires the
-// work with it.
-PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
+// work with it. finish() is its body: 1 (done), 0 (not, or another case), -1 (an error).
+int finish(PyObject *work, long burst, long turns)
 {
-    if (!nargs("finished", n, 3))
-        return nullptr;
-    PyObject *work = args[0];
-    long burst = PyLong_AsLong(args[1]), turns = PyLong_AsLong(args[2]);
-    if ((burst == -1 || turns == -1) && PyErr_Occurred())
-        return nullptr;
     if (W.type == nullptr || !PyObject_TypeCheck(work, W.type))
-        Py_RETURN_FALSE;
+        return 0;
     PyObject *pending = slot(work, W.pending), *post = slot(work, W.post), *engine = slot(work, W.engine);
     if (pending == nullptr || Py_TYPE(pending) != W.request || engine == nullptr || post == nullptr
         || !((PyTuple_CheckExact(post) && PyTuple_GET_SIZE(post) == 0)
              || (PyList_CheckExact(post) && PyList_GET_SIZE(post) == 0)))
-        Py_RETURN_FALSE;
+        return 0;
     THPObjectPtr domains(get(engine, a_domains));
     if (!domains)
-        return nullptr;
+        return -1;
     if (!PyFrozenSet_CheckExact(domains.get()) || PySet_GET_SIZE(domains.get()) != 1)
-        Py_RETURN_FALSE;
+        return 0;
     int mpi_only = PySet_Contains(domains.get(), W.domain);
     if (mpi_only <= 0)
-        return mpi_only < 0 ? nullptr : Py_NewRef(Py_False);
+        return mpi_only;
     THPObjectPtr lock(get(engine, a_lock));
     if (!lock)
-        return nullptr;
+        return -1;
     if (Py_TYPE(lock.get()) != &RLockType)
-        Py_RETURN_FALSE;
+        return 0;
     auto *held = reinterpret_cast<RLock *>(lock.get());
     Py_INCREF(pending);
     THPObjectPtr own(pending); // (another thread may finish the work and drop it between turns)
     for (long turn = 0; turn < turns; turn++) {
         if (!take(held))
-            return nullptr;
+            return -1;
         if (slot(work, W.done) != Py_False || slot(work, W.pending) != pending || slot(work, W.future) != Py_None) {
             bool clean = slot(work, W.done) == Py_True && slot(work, W.error) == Py_None
                          && slot(work, W.stream) == Py_None; // (finished by another thread)
-            if (!give(held))
-                return nullptr;
-            return Py_NewRef(clean ? Py_True : Py_False);
+            return give(held) ? clean : -1;
         }
         int complete = 0;
         for (long i = 0; i < burst && complete == 0; i++) {
@@ -1335,21 +1329,21 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
         }
         if (complete == 0) {
             if (!give(held))
-                return nullptr;
+                return -1;
             continue;
         }
         THPObjectPtr outstanding(complete == 1 ? get(engine, a_outstanding) : nullptr);
         int receive = outstanding ? PySet_Contains(W.receives, slot(work, W.op)) : -1;
         if (receive < 0) {
             give(held);
-            return nullptr;
+            return -1;
         }
         if (PyList_CheckExact(outstanding.get()))
             for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outstanding.get()); i++)
                 if (PyList_GET_ITEM(outstanding.get(), i) == work) {
                     if (PyList_SetSlice(outstanding.get(), i, i + 1, nullptr) < 0) {
                         give(held);
-                        return nullptr;
+                        return -1;
                     }
                     break;
                 }
@@ -1359,11 +1353,20 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
         if (!receive) // (a receive's request still names its sender)
             put(work, W.pending, Py_None);
         put(work, W.post, W.empty);
-        if (!give(held))
-            return nullptr;
-        Py_RETURN_TRUE;
+        return give(held) ? 1 : -1;
     }
-    Py_RETURN_FALSE;
+    return 0;
+}
+
+PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs("finished", n, 3))
+        return nullptr;
+    long burst = PyLong_AsLong(args[1]), turns = PyLong_AsLong(args[2]);
+    if ((burst == -1 || turns == -1) && PyErr_Occurred())
+        return nullptr;
+    int done = finish(args[0], burst, turns);
+    return done < 0 ? nullptr : Py_NewRef(done ? Py_True : Py_False);
 }
 
 // adopt(Starter, start capsule, Request, Work, RECEIVES): the compiled MPI
@@ -1560,24 +1563,25 @@ PyTypeObject BeatsType = [] {
 }();
 
 // -- ProcessGroupMCRDL's common calls ---------------------------------------------------------
-// TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds, group_type)
+// TorchMethod(kind, op, name, fallback, module_globals, work_type, work_init, reduce_kinds, group_type)
 // stands for one of ProcessGroupMCRDL's methods (``fallback``, the Python one):
 // called as pg.<method>(...) by torch's Python or through its C++ trampoline,
 // it does what the Python method does for the common case (one tensor, a
 // reduction mcrdl has, a root or peer in the group, no split sizes, outside a
 // coalescing block): reads torch's options struct in C++ (from Python each
-// field is a pybind property, 0.3 us a read), calls the driver (api.run_op)
-// and returns None for a blocking call or an MCRDLTorchWork. Any other call,
-// and any call with keywords, goes to the Python method, which also names every
-// bad input; so both give the same results and errors. So does any call
-// made while dynamo's frame hook is live (frames_hooked).
-enum TorchKind { T_ALLREDUCE, T_BROADCAST, T_ALLGATHER, T_REDUCE_SCATTER, T_ALL_TO_ALL, T_SEND, T_RECV, T_KINDS };
+// field is a pybind property, 0.3 us a read), calls the driver (api.run_op,
+// from ``module_globals``, api's) and returns None for a blocking call or an
+// MCRDLTorchWork. Any other call, and any call with keywords, goes to the
+// Python method, which also names every bad input; so both give the same
+// results and errors. So does any call made while dynamo's frame hook is live
+// (frames_hooked). Kind T_WAIT stands for MCRDLTorchWork.wait (torch_wait).
+enum TorchKind { T_ALLREDUCE, T_BROADCAST, T_ALLGATHER, T_REDUCE_SCATTER, T_ALL_TO_ALL, T_SEND, T_RECV, T_WAIT, T_KINDS };
 
 struct TorchMethod {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     int kind;
-    PyObject *op, *name, *fallback, *api_globals, *work_type, *work_init, *reduce_kinds;
+    PyObject *op, *name, *fallback, *module_globals, *work_type, *work_init, *reduce_kinds;
 };
 
 // The one tensor of torch's list (tensors[0] of a one-item list), else nullptr.
@@ -1633,9 +1637,9 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
     PyTypeObject *work_type = reinterpret_cast<PyTypeObject *>(m->work_type);
     if (n < 2 || a_work.type != work_type || a_result.type != work_type || a_op.type != work_type)
         return nullptr; // (the Work's slots are known for one type)
-    PyObject *self = args[0], *found = PyDict_GetItemWithError(m->api_globals, s_runtime);
+    PyObject *self = args[0], *found = PyDict_GetItemWithError(m->module_globals, s_runtime);
     THPObjectPtr rt(found == nullptr || found == Py_None ? nullptr : Py_NewRef(found));
-    found = rt ? PyDict_GetItemWithError(m->api_globals, s_run_op) : nullptr;
+    found = rt ? PyDict_GetItemWithError(m->module_globals, s_run_op) : nullptr;
     THPObjectPtr run_op(found == nullptr ? nullptr : Py_NewRef(found));
     if (!run_op)
         return nullptr;
@@ -1765,6 +1769,55 @@ PyObject *torch_fast(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
     return made.release();
 }
 
+// MCRDLTorchWork.wait() without a timeout as TorchMethod runs it (kind T_WAIT,
+// ``globals`` work.py's): what that method and mcrdl's Work.wait do, for an
+// op that completed in its start (no Work) or an MPI request finished() can
+// wait for; nullptr without an error: the Python method's (a failed work, a
+// CUDA one, any other library), which then finds it done where this waited.
+PyObject *torch_wait(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
+{
+    if (n < 1 || n > 2 || (n == 2 && args[1] != Py_None) || Py_TYPE(args[0]) != a_work.type)
+        return nullptr;
+    PyObject *work = slot(args[0], a_work.offset);
+    if (work == Py_None)
+        Py_RETURN_TRUE;
+    if (work == nullptr || W.type == nullptr || Py_TYPE(work) != W.type)
+        return nullptr;
+    if (slot(work, W.done) == Py_False) {
+        PyObject *burst = PyDict_GetItemWithError(m->module_globals, s_burst);
+        PyObject *turns = burst ? PyDict_GetItemWithError(m->module_globals, s_first_polls) : nullptr;
+        long b = turns ? PyLong_AsLong(burst) : -1, t = turns ? PyLong_AsLong(turns) : -1;
+        if (b == -1 || t == -1) {
+            PyErr_Clear();
+            return nullptr;
+        }
+        if (slot(work, W.engine) == nullptr || slot(work, W.deadline) == nullptr)
+            return nullptr;
+        // (held: the slots may change while the wait runs Python)
+        THPObjectPtr own(Py_NewRef(work)), engine(Py_NewRef(slot(work, W.engine))),
+            deadline(Py_NewRef(slot(work, W.deadline)));
+        int done = finish(work, b, t);
+        if (done < 0) { // the library failed: Work.wait retires the work with its error
+            if (!PyErr_ExceptionMatches(PyExc_Exception))
+                return nullptr;
+            THPObjectPtr exc(raised());
+            PyObject *retire_args[3] = {engine.get(), work, exc.get()};
+            THPObjectPtr retired(PyObject_VectorcallMethod(s_retire, retire_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                                           nullptr));
+            return nullptr; // (retired: the Python method raises its error as Work.wait does)
+        }
+        if (done == 0) {
+            PyObject *wait_args[3] = {engine.get(), work, deadline.get()};
+            THPObjectPtr waited(PyObject_VectorcallMethod(s_wait, wait_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+            if (!waited)
+                return nullptr;
+        }
+    }
+    if (slot(work, W.done) == Py_True && slot(work, W.error) == Py_None && slot(work, W.stream) == Py_None)
+        Py_RETURN_TRUE;
+    return nullptr;
+}
+
 // Is a frame evaluator other than CPython's installed? dynamo's is, while a
 // compiled function runs (its graph breaks run eagerly): the Python method
 // then runs, whose frame torch_backend.py marks for dynamo to skip with all it
@@ -1781,7 +1834,8 @@ PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t na
         return nullptr;
     }
     if ((kwnames == nullptr || PyTuple_GET_SIZE(kwnames) == 0) && !frames_hooked()) {
-        PyObject *out = torch_fast(m, args, PyVectorcall_NARGS(nargsf));
+        Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+        PyObject *out = m->kind == T_WAIT ? torch_wait(m, args, n) : torch_fast(m, args, n);
         if (out != nullptr || PyErr_Occurred())
             return out;
     }
@@ -1794,12 +1848,12 @@ PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t na
 PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     int kind;
-    PyObject *op, *name, *fallback, *api_globals, *work_type, *work_init, *reduce_kinds, *group_type;
+    PyObject *op, *name, *fallback, *module_globals, *work_type, *work_init, *reduce_kinds, *group_type;
     if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "TorchMethod takes no keyword arguments");
         return nullptr;
     }
-    if (!PyArg_ParseTuple(args, "iOUOO!O!OO!O!:TorchMethod", &kind, &op, &name, &fallback, &PyDict_Type, &api_globals,
+    if (!PyArg_ParseTuple(args, "iOUOO!O!OO!O!:TorchMethod", &kind, &op, &name, &fallback, &PyDict_Type, &module_globals,
                           &PyType_Type, &work_type, &work_init, &PyDict_Type, &reduce_kinds, &PyType_Type,
                           &group_type))
         return nullptr;
@@ -1822,9 +1876,9 @@ PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return nullptr;
     m->vectorcall = torch_method_call;
     m->kind = kind;
-    PyObject **fields[] = {&m->op, &m->name, &m->fallback, &m->api_globals, &m->work_type, &m->work_init,
+    PyObject **fields[] = {&m->op, &m->name, &m->fallback, &m->module_globals, &m->work_type, &m->work_init,
                            &m->reduce_kinds};
-    PyObject *given[] = {op, name, fallback, api_globals, work_type, work_init, reduce_kinds};
+    PyObject *given[] = {op, name, fallback, module_globals, work_type, work_init, reduce_kinds};
     for (size_t i = 0; i < 7; i++) {
         Py_INCREF(given[i]);
         *fields[i] = given[i];
@@ -1838,7 +1892,7 @@ int torch_method_traverse(TorchMethod *m, visitproc visit, void *arg)
     Py_VISIT(m->op);
     Py_VISIT(m->name);
     Py_VISIT(m->fallback);
-    Py_VISIT(m->api_globals);
+    Py_VISIT(m->module_globals);
     Py_VISIT(m->work_type);
     Py_VISIT(m->work_init);
     Py_VISIT(m->reduce_kinds);
@@ -1850,7 +1904,7 @@ int torch_method_clear(TorchMethod *m)
     Py_CLEAR(m->op);
     Py_CLEAR(m->name);
     Py_CLEAR(m->fallback);
-    Py_CLEAR(m->api_globals);
+    Py_CLEAR(m->module_globals);
     Py_CLEAR(m->work_type);
     Py_CLEAR(m->work_init);
     Py_CLEAR(m->reduce_kinds);
@@ -1885,7 +1939,7 @@ PyTypeObject TorchMethodType = [] {
     t.tp_name = "mcrdl_facts.TorchMethod";
     t.tp_basicsize = sizeof(TorchMethod);
     t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR;
-    t.tp_doc = "TorchMethod(kind, op, name, fallback, api_globals, work_type, work_init, reduce_kinds, group_type): "
+    t.tp_doc = "TorchMethod(kind, op, name, fallback, module_globals, work_type, work_init, reduce_kinds, group_type): "
                "a ProcessGroupMCRDL method's common calls in C";
     t.tp_new = torch_method_new;
     t.tp_dealloc = reinterpret_cast<destructor>(torch_method_dealloc);

@@ -7,6 +7,7 @@ torch's own env:// rendezvous (mcrdl's options from MCRDL_* variables), as under
 torchrun or mp.spawn; else mcrdl starts first and torch joins it."""
 import os
 import sys
+import time
 import warnings
 from datetime import timedelta
 
@@ -28,8 +29,10 @@ else:
 rank, world = dist.get_rank(), dist.get_world_size()
 check(dist.get_backend() == "mcrdl", "torch backend", dist.get_backend())
 check((rank, world) == (mcrdl.get_rank(), mcrdl.get_world_size()), "ranks agree")
-layer = type(vars(tb.ProcessGroupMCRDL)["allreduce"]).__name__  # TorchMethod: facts.cpp serves the common calls
-print(f"rank {rank}: torch layer {'compiled' if layer == 'TorchMethod' else 'python'}")
+layer = {type(vars(tb.ProcessGroupMCRDL)["allreduce"]).__name__,  # TorchMethod: facts.cpp serves the common calls
+         type(vars(tb.MCRDLTorchWork)["wait"]).__name__}
+check(len(layer) == 1, "the methods and the Work's wait in one form", layer)
+print(f"rank {rank}: torch layer {'compiled' if layer == {'TorchMethod'} else 'python'}")
 ranks = list(range(world))
 R = dist.ReduceOp
 TORCH_OPS = {"sum": R.SUM, "max": R.MAX, "min": R.MIN, "product": R.PRODUCT, "avg": R.AVG}
@@ -239,6 +242,33 @@ if rank == 0:
     check(got == {r: float(r) for r in range(1, world)}, "recv from any source", got)
 else:
     dist.send(torch.full((1,), float(rank)), 0)
+
+# -- a Work's wait: done in its start, finished by its first polls or in the engine's wait (the
+#    sender sleeps first), with a timeout, and failed at its group's deadline -------------------
+if rank < 2:
+    peer, buf = 1 - rank, torch.empty(3)
+    if rank == 0:
+        late = dist.irecv(buf, peer, tag=21)
+        check(late.wait() is True and late.is_completed(), "a late receive waited for", late)
+        same(buf, value(peer, 3, torch.float32), "a late receive")
+        timed = dist.irecv(buf, peer, tag=22)
+        check(timed.wait(timeout=timedelta(seconds=60)) is True, "a wait with a timeout")
+        same(buf, value(peer, 3, torch.float32, salt=1), "a receive waited for with a timeout")
+    else:
+        time.sleep(0.2)
+        check(dist.isend(value(rank, 3, torch.float32), peer, tag=21).wait() is True, "a send's wait")
+        dist.send(value(rank, 3, torch.float32, salt=1), peer, tag=22)
+short = dist.new_group(backend="mcrdl", timeout=timedelta(seconds=1))
+if rank == 0:
+    lost = dist.irecv(torch.empty(1), 1, group=short, tag=23)  # nobody sends it
+    try:
+        lost.wait()
+    except mcrdl.CommTimeoutError as exc:
+        check("irecv" in str(exc), "the missed deadline names the op", exc)
+    else:
+        raise AssertionError("a receive nobody sends to completed")
+    check(lost.is_completed() and not lost.is_success(), "a work failed at its deadline stays failed", lost)
+dist.barrier()
 
 # -- refused with a clear error, on every rank before any traffic ------------------------------
 

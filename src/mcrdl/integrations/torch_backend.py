@@ -33,7 +33,8 @@ driver (:data:`mcrdl.api.run_op`, what the API's functions call, with the op's
 ``wait()`` drives mcrdl's progress engine and whose ``get_future()`` is
 completed by mcrdl's futures thread, as DDP requires. With mcrdl's compiled
 helpers loaded, the common calls of the ops torch calls most (:data:`_COMPILED`)
-run in C (facts.cpp's ``TorchMethod``) and every other call in these methods.
+and of ``MCRDLTorchWork.wait`` run in C (facts.cpp's ``TorchMethod``) and every
+other call in these methods.
 
 See docs/torch_backend.md for the supported ops and the limits.
 """
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import api, facts, ops
+from .. import work as work_module
 from ..runtime import Group
 from ..types import ReduceOp, UnsupportedError
 
@@ -612,7 +614,8 @@ def _run_outside_dynamo(*classes) -> None:
 
 _run_outside_dynamo(ProcessGroupMCRDL, MCRDLTorchWork)
 
-#: The methods facts.cpp's TorchMethod serves (its kinds, in order) and their ops.
+#: The methods facts.cpp's TorchMethod serves (its kinds, in order) and their ops;
+#: MCRDLTorchWork.wait is its next kind (T_WAIT).
 _COMPILED = (("allreduce", ops.ALL_REDUCE), ("broadcast", ops.BROADCAST),
              ("all_gather_single", ops.ALL_GATHER_INTO_TENSOR),
              ("reduce_scatter_single", ops.REDUCE_SCATTER_TENSOR), ("all_to_all_single", ops.ALL_TO_ALL_SINGLE),
@@ -628,11 +631,13 @@ def _compile_methods() -> bool:
     native = facts.load()
     if native is facts:
         return False
-    for kind, (method, op) in enumerate(_COMPILED):
-        python = vars(ProcessGroupMCRDL)[method]
-        compiled = native.TorchMethod(kind, op, method, python, vars(api), MCRDLTorchWork, dist.Work.__init__,
+    methods = [(ProcessGroupMCRDL, method, op, vars(api)) for method, op in _COMPILED]
+    methods.append((MCRDLTorchWork, "wait", None, vars(work_module)))  # (reads its wait policy)
+    for kind, (cls, method, op, module_globals) in enumerate(methods):
+        python = vars(cls)[method]
+        compiled = native.TorchMethod(kind, op, method, python, module_globals, MCRDLTorchWork, dist.Work.__init__,
                                       _REDUCE_KINDS, ProcessGroupMCRDL)
-        for name, value in list(vars(ProcessGroupMCRDL).items()):
+        for name, value in list(vars(cls).items()):
             if value is python:  # its older names too (_allgather_base ...)
-                setattr(ProcessGroupMCRDL, name, compiled)
+                setattr(cls, name, compiled)
     return True
