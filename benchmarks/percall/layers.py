@@ -19,14 +19,16 @@ a ping-pong between ranks 0 and 1 (one way = round trip / 2). "torch alone":
 the same ``torch.distributed`` call on a group whose backend does nothing
 (returns no Work), timed the same way: what torch's own Python costs per call,
 which no backend can remove. "added": the layer's time less the API's and
-torch alone's, what #39 holds to 1 us. torch's send and recv are an isend or
+torch alone's in the same round (median over the rounds), what #39 holds
+to 1 us. torch's send and recv are an isend or
 irecv and a wait on its Work; "API async" times that on mcrdl's API
 (``mcrdl.isend(...).wait()``), so its excess over the blocking API is a floor
 of the torch layer's send/recv that the layer itself does not add. So is the
 ``torch.distributed.Work`` a backend must return for each of them (torch
 alone's group returns none): "torch Work" times making and freeing one per
 send and per receive of the ping-pong, interleaved with the rest. "layer's
-own" is what is added less both floors.
+own" is what is added less both floors (the layer's time less API async's,
+torch alone's and torch Work's, round by round).
 """
 from __future__ import annotations
 
@@ -243,13 +245,18 @@ def main() -> int:
                     row = {"layer": layer, "op": op, "bytes": nbytes, "iters": iters,
                            "layer_us": statistics.median(times["layer"]), "ref_us": statistics.median(times["ref"]),
                            "ratio": statistics.median(ratios), "ratios": ratios}
-                    if "alone" in times:
+                    if "alone" in times:  # (differences within a round: a slow phase moves all of them)
                         row["torch_alone_us"] = statistics.median(times["alone"])
-                        row["added_us"] = row["layer_us"] - row["ref_us"] - row["torch_alone_us"]
+                        row["added_us"] = statistics.median(
+                            a - b - c for a, b, c in zip(times["layer"], times["ref"], times["alone"]))
                     if "api async" in times:
                         row["api_async_us"] = statistics.median(times["api async"])
+                        row["api_async_added_us"] = statistics.median(
+                            a - b for a, b in zip(times["api async"], times["ref"]))
                         row["torch_work_us"] = statistics.median(times["torch work"])
-                        row["own_us"] = row["added_us"] - (row["api_async_us"] - row["ref_us"]) - row["torch_work_us"]
+                        row["own_us"] = statistics.median(
+                            a - b - c - d for a, b, c, d in zip(times["layer"], times["api async"], times["alone"],
+                                                                times["torch work"]))
                     results.append(row)
                     progress.advance(task)
                     if rank == 0:
@@ -278,7 +285,7 @@ def main() -> int:
             if floors:
                 Console(width=200).print("send/recv floor (torch's are async): API isend/irecv + wait "
                                          + ", ".join(f"{label(r['bytes'])} {r['api_async_us']:.2f} us "
-                                                     f"({r['api_async_us'] - r['ref_us']:+.2f} over the blocking "
+                                                     f"({r['api_async_added_us']:+.2f} over the blocking "
                                                      f"API)" for r in floors), highlight=False)
                 Console(width=200).print("send/recv floor (torch needs a Work per call): torch Work made and freed "
                                          + ", ".join(f"{label(r['bytes'])} {r['torch_work_us']:.2f} us" for r in floors)
