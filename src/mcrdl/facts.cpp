@@ -1934,6 +1934,27 @@ PyMemberDef torch_method_members[] = {
     {nullptr, 0, 0, 0, nullptr},
 };
 
+// The Python method's own, as a function has them (wrappers read them: DeepSpeed's nvtx
+// wrapper reads the __qualname__ of a Work's bound wait).
+PyObject *torch_method_delegated(TorchMethod *m, void *name)
+{
+    if (m->fallback == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "TorchMethod: read after it was cleared");
+        return nullptr;
+    }
+    return PyObject_GetAttrString(m->fallback, static_cast<const char *>(name));
+}
+
+PyGetSetDef torch_method_getset[] = {
+    {"__qualname__", reinterpret_cast<getter>(torch_method_delegated), nullptr, "the Python method's",
+     const_cast<char *>("__qualname__")},
+    {"__module__", reinterpret_cast<getter>(torch_method_delegated), nullptr, "the Python method's",
+     const_cast<char *>("__module__")},
+    {"__doc__", reinterpret_cast<getter>(torch_method_delegated), nullptr, "the Python method's",
+     const_cast<char *>("__doc__")},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
 PyTypeObject TorchMethodType = [] {
     PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
     t.tp_name = "mcrdl_facts.TorchMethod";
@@ -1949,6 +1970,7 @@ PyTypeObject TorchMethodType = [] {
     t.tp_call = PyVectorcall_Call;
     t.tp_descr_get = torch_method_get;
     t.tp_members = torch_method_members;
+    t.tp_getset = torch_method_getset;
     return t;
 }();
 

@@ -32,6 +32,12 @@ check((rank, world) == (mcrdl.get_rank(), mcrdl.get_world_size()), "ranks agree"
 layer = {type(vars(tb.ProcessGroupMCRDL)["allreduce"]).__name__,  # TorchMethod: facts.cpp serves the common calls
          type(vars(tb.MCRDLTorchWork)["wait"]).__name__}
 check(len(layer) == 1, "the methods and the Work's wait in one form", layer)
+for method in (tb.ProcessGroupMCRDL.allreduce, tb.ProcessGroupMCRDL.send, tb.MCRDLTorchWork.wait,
+               tb.MCRDLTorchWork(None, [], "x").wait):  # (function-like, compiled or not: wrappers read these)
+    python = getattr(method, "__wrapped__", None) or getattr(method, "__func__", method)
+    python = getattr(python, "__wrapped__", python)
+    for name in ("__name__", "__qualname__", "__module__", "__doc__"):
+        check(getattr(method, name) == getattr(python, name), "a method's", name, getattr(method, name))
 print(f"rank {rank}: torch layer {'compiled' if layer == {'TorchMethod'} else 'python'}")
 ranks = list(range(world))
 R = dist.ReduceOp
