@@ -2,7 +2,7 @@
 made directly with mpi4py, in one job, interleaved.
 
     mcrdl run -n 2 benchmarks/percall/hotpath.py [--sizes 4,1K,4K,16K,256K] [--ops all_reduce,...]
-                                         [--rounds R] [--json out.json]
+                                         [--rounds R] [--nonblocking] [--json out.json]
 
 For every op and size, ``R`` rounds; each round times mcrdl (``backend="mpi"``)
 and raw mpi4py (numpy views of the same-sized tensors, made once: no per-call
@@ -25,6 +25,11 @@ difference, where positive, is MPICH's own cost of the nonblocking form, which
 no caller of it can avoid. "over the floor" is mcrdl / (raw + that difference)
 (ops without a collective form in the loop, send/recv and the uneven
 all-to-all, have none: there it is mcrdl / raw).
+
+``--nonblocking``: each op's async form (``async_op=True``; send/recv as
+isend/irecv) and its Work's ``wait()``, against mpi4py's nonblocking call
+(``Iallreduce`` ...) and its ``Wait()``; both pay MPICH's nonblocking form,
+so no floor is timed.
 """
 from __future__ import annotations
 
@@ -66,31 +71,48 @@ def iterations(nbytes: int) -> int:
     return 2000 if nbytes <= 4096 else 500 if nbytes <= 16384 else 100
 
 
-def build(op: str, n: int, comm, MPI, fill):
-    """(mcrdl call, raw call, mcrdl outputs, raw outputs, buffers) for ``op``
-    on ``n``-element inputs; ``fill(numel)`` makes this rank's input data."""
+def build(op: str, n: int, comm, MPI, fill, nonblocking: bool = False):
+    """(mcrdl call, raw call, mcrdl outputs, raw outputs) for ``op`` on
+    ``n``-element inputs; ``fill(numel)`` makes this rank's input data.
+    ``nonblocking``: mcrdl's async form (``async_op=True``, isend/irecv) and
+    its Work's ``wait()``, against mpi4py's nonblocking call and its ``Wait()``."""
     rank, w = comm.Get_rank(), comm.Get_size()
     views = lambda *ts: [t.numpy() for t in ts]  # noqa: E731
     pair = lambda k: (lambda x: (x, x.clone()))(fill(k))  # noqa: E731  same data for both
     if op == "all_reduce":
         a, b = pair(n)
         (bv,) = views(b)
+        if nonblocking:
+            return (lambda: mcrdl.all_reduce(a, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Iallreduce(MPI.IN_PLACE, bv).Wait(), [a], [b])
         return (lambda: mcrdl.all_reduce(a, backend="mpi"), lambda: comm.Allreduce(MPI.IN_PLACE, bv), [a], [b])
     if op == "broadcast":
         a, b = pair(n)
         (bv,) = views(b)
+        if nonblocking:
+            return (lambda: mcrdl.broadcast(a, src=0, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Ibcast(bv, root=0).Wait(), [a], [b])
         return lambda: mcrdl.broadcast(a, src=0, backend="mpi"), lambda: comm.Bcast(bv, root=0), [a], [b]
     if op == "reduce":
         a, b = pair(n)
         (bv,) = views(b)
+        outs = ([a], [b]) if rank == 0 else ([], [])
+        if nonblocking:
+            raw = ((lambda: comm.Ireduce(MPI.IN_PLACE, bv, root=0).Wait()) if rank == 0
+                   else (lambda: comm.Ireduce(bv, None, root=0).Wait()))
+            return lambda: mcrdl.reduce(a, dst=0, backend="mpi", async_op=True).wait(), raw, *outs
         raw = ((lambda: comm.Reduce(MPI.IN_PLACE, bv, root=0)) if rank == 0
                else (lambda: comm.Reduce(bv, None, root=0)))
-        return lambda: mcrdl.reduce(a, dst=0, backend="mpi"), raw, [a] if rank == 0 else [], [b] if rank == 0 else []
+        return lambda: mcrdl.reduce(a, dst=0, backend="mpi"), raw, *outs
     if op in ("all_gather_into_tensor", "all_gather"):
         (ai, bi), ao, bo = pair(n), torch.zeros(n * w), torch.zeros(n * w)
         biv, bov = views(bi, bo)
+        parts = list(ao.chunk(w))
+        if nonblocking:
+            fn, out = (mcrdl.all_gather, parts) if op == "all_gather" else (mcrdl.all_gather_into_tensor, ao)
+            return (lambda: fn(out, ai, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Iallgather(biv, bov).Wait(), [ao], [bo])
         if op == "all_gather":
-            parts = list(ao.chunk(w))
             call = lambda: mcrdl.all_gather(parts, ai, backend="mpi")  # noqa: E731
         else:
             call = lambda: mcrdl.all_gather_into_tensor(ao, ai, backend="mpi")  # noqa: E731
@@ -99,8 +121,12 @@ def build(op: str, n: int, comm, MPI, fill):
         n = -(-n // w) * w
         (ai, bi), ao, bo = pair(n), torch.zeros(n // w), torch.zeros(n // w)
         biv, bov = views(bi, bo)
+        parts = list(ai.chunk(w))
+        if nonblocking:
+            fn, inp = (mcrdl.reduce_scatter, parts) if op == "reduce_scatter" else (mcrdl.reduce_scatter_tensor, ai)
+            return (lambda: fn(ao, inp, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Ireduce_scatter_block(biv, bov).Wait(), [ao], [bo])
         if op == "reduce_scatter":
-            parts = list(ai.chunk(w))
             call = lambda: mcrdl.reduce_scatter(ao, parts, backend="mpi")  # noqa: E731
         else:
             call = lambda: mcrdl.reduce_scatter_tensor(ao, ai, backend="mpi")  # noqa: E731
@@ -109,6 +135,10 @@ def build(op: str, n: int, comm, MPI, fill):
         (ai, bi), ao, bo = pair(n), torch.zeros(n * w), torch.zeros(n * w)
         biv, bov = views(bi, bo)
         parts = list(ao.chunk(w)) if rank == 0 else None
+        if nonblocking:
+            return (lambda: mcrdl.gather(ai, parts, dst=0, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Igather(biv, bov if rank == 0 else None, root=0).Wait(),
+                    [ao] if rank == 0 else [], [bo] if rank == 0 else [])
         return (lambda: mcrdl.gather(ai, parts, dst=0, backend="mpi"),
                 lambda: comm.Gather(biv, bov if rank == 0 else None, root=0),
                 [ao] if rank == 0 else [], [bo] if rank == 0 else [])
@@ -116,12 +146,18 @@ def build(op: str, n: int, comm, MPI, fill):
         (ai, bi), ao, bo = pair(n * w), torch.zeros(n), torch.zeros(n)
         biv, bov = views(bi, bo)
         parts = list(ai.chunk(w)) if rank == 0 else None
+        if nonblocking:
+            return (lambda: mcrdl.scatter(ao, parts, src=0, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Iscatter(biv if rank == 0 else None, bov, root=0).Wait(), [ao], [bo])
         return (lambda: mcrdl.scatter(ao, parts, src=0, backend="mpi"),
                 lambda: comm.Scatter(biv if rank == 0 else None, bov, root=0), [ao], [bo])
     if op == "all_to_all_single":
         n = -(-n // w) * w
         (ai, bi), ao, bo = pair(n), torch.zeros(n), torch.zeros(n)
         biv, bov = views(bi, bo)
+        if nonblocking:
+            return (lambda: mcrdl.all_to_all_single(ao, ai, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Ialltoall(biv, bov).Wait(), [ao], [bo])
         return (lambda: mcrdl.all_to_all_single(ao, ai, backend="mpi"), lambda: comm.Alltoall(biv, bov),
                 [ao], [bo])
     if op == "all_to_all_single uneven":  # rank r sends c(r, p) elements to peer p
@@ -132,8 +168,33 @@ def build(op: str, n: int, comm, MPI, fill):
         biv, bov = views(bi, bo)
         displs = lambda c: [sum(c[:i]) for i in range(len(c))]  # noqa: E731
         sendspec, recvspec = [biv, (ins, displs(ins))], [bov, (outs, displs(outs))]
+        if nonblocking:
+            return (lambda: mcrdl.all_to_all_single(ao, ai, outs, ins, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Ialltoallv(sendspec, recvspec).Wait(), [ao], [bo])
         return (lambda: mcrdl.all_to_all_single(ao, ai, outs, ins, backend="mpi"),
                 lambda: comm.Alltoallv(sendspec, recvspec), [ao], [bo])
+    if op == "send/recv" and nonblocking:
+        a, b = pair(n)
+        (bv,) = views(b)
+        if rank < 2:
+            peer = 1 - rank
+
+            def call():
+                if rank == 0:
+                    mcrdl.isend(a, peer, backend="mpi").wait()
+                mcrdl.irecv(a, peer, backend="mpi").wait()
+                if rank == 1:
+                    mcrdl.isend(a, peer, backend="mpi").wait()
+
+            def raw():
+                if rank == 0:
+                    comm.Isend(bv, peer).Wait()
+                comm.Irecv(bv, peer).Wait()
+                if rank == 1:
+                    comm.Isend(bv, peer).Wait()
+        else:
+            call = raw = lambda: None  # noqa: E731
+        return call, raw, [a], [b]
     if op == "send/recv":
         a, b = pair(n)
         (bv,) = views(b)
@@ -209,6 +270,8 @@ def main() -> int:
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=None, help="calls per timed loop (default by size)")
+    parser.add_argument("--nonblocking", action="store_true",
+                        help="each op's async form and its wait, against mpi4py's nonblocking call and Wait()")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     ops = args.ops.split(",")
@@ -229,8 +292,8 @@ def main() -> int:
     fill = lambda k: torch.randint(-8, 8, (k,), generator=gen).float()  # noqa: E731  sums stay exact
 
     with tempfile.TemporaryDirectory() as workdir:
-        try:
-            loop = build_floor(workdir)
+        try:  # (both nonblocking forms pay MPICH's own cost of one: no floor)
+            loop = None if args.nonblocking else build_floor(workdir)
         except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
             loop = None
             if rank == 0:
@@ -240,6 +303,7 @@ def main() -> int:
         report(args, ops, sizes, results, world, hot_path, waits)
         if args.json:
             write_json(args.json, {"benchmark": "hotpath", "world_size": world, "rounds": args.rounds,
+                                   "form": "nonblocking" if args.nonblocking else "blocking",
                                    "native": hot_path, "wait_policy": waits,
                                    "environment": environment(mpi=MPI.Get_library_version().splitlines()[0]),
                                    "command": " ".join(sys.argv), "results": results}, Console())
@@ -257,7 +321,7 @@ def sweep(args, ops, sizes, comm, console, fill, loop) -> list:
         for op in ops:
             for nbytes in sizes:
                 n = max(1, nbytes // 4)
-                call, raw, outs, raw_outs = build(op, n, comm, MPI, fill)
+                call, raw, outs, raw_outs = build(op, n, comm, MPI, fill, args.nonblocking)
                 call()
                 raw()
                 for x, y in zip(outs, raw_outs):
@@ -292,17 +356,21 @@ def sweep(args, ops, sizes, comm, console, fill, loop) -> list:
                 progress.advance(task)
                 if rank == 0:
                     b, c = row["back to back"], row["barrier between"]
+                    over = (f"; floor {b['floor_us']:.2f} us: over it {b['over_floor']:.2f}x / "
+                            f"{c['over_floor']:.2f}x" if b["floor_us"] is not None else "")
                     console.print(f"[{op} {label(nbytes)}] back to back {b['mcrdl_us']:.2f} vs "
                                   f"{b['raw_us']:.2f} us = {b['ratio']:.2f}x; barrier between "
-                                  f"{c['mcrdl_us']:.2f} vs {c['raw_us']:.2f} us = {c['ratio']:.2f}x; "
-                                  f"floor {b['floor_us'] or 0:.2f} us: over it {b['over_floor']:.2f}x / "
-                                  f"{c['over_floor']:.2f}x", highlight=False, markup=False)
+                                  f"{c['mcrdl_us']:.2f} vs {c['raw_us']:.2f} us = {c['ratio']:.2f}x{over}",
+                                  highlight=False, markup=False)
     return results
 
 
 def report(args, ops, sizes, results, world, hot_path, waits) -> None:
     """The tables: mcrdl / raw, and mcrdl / (raw + the floor), with the cells over #39's goals named."""
-    for key, what in (("ratio", "mcrdl / raw mpi4py"), ("over_floor", "mcrdl / (raw mpi4py + MPICH's nonblocking floor)")):
+    tables = (("ratio", "mcrdl / raw mpi4py"), ("over_floor", "mcrdl / (raw mpi4py + MPICH's nonblocking floor)"))
+    if args.nonblocking:
+        tables = (("ratio", "mcrdl's async form + wait / mpi4py's nonblocking call + Wait"),)
+    for key, what in tables:
         table = Table(title=f"{what}, {world} ranks, median of {args.rounds} rounds "
                             f"(MPI hot path: {hot_path.split(' (')[0]}, waits: {waits})")
         table.add_column("op")
@@ -322,9 +390,10 @@ def report(args, ops, sizes, results, world, hot_path, waits) -> None:
         goal = 1.3 if r["bytes"] <= 4096 else 1.1
         c = r[s]
         verdict = "within it over the floor" if c["over_floor"] <= goal else "over it over the floor too"
-        Console(width=200).print(f"over {goal}x: {r['op']} {label(r['bytes'])} {s} {c['ratio']:.2f}x; MPICH's "
-                                 f"nonblocking floor {c['floor_us'] or 0:.2f} us, {c['over_floor']:.2f}x over it: "
-                                 f"{verdict}", highlight=False, markup=False)
+        floor = (f"; MPICH's nonblocking floor {c['floor_us']:.2f} us, {c['over_floor']:.2f}x over it: {verdict}"
+                 if c["floor_us"] is not None else "")
+        Console(width=200).print(f"over {goal}x: {r['op']} {label(r['bytes'])} {s} {c['ratio']:.2f}x{floor}",
+                                 highlight=False, markup=False)
 
 
 if __name__ == "__main__":
