@@ -384,7 +384,7 @@ struct Driver {
     PyObject *blocked = nullptr;  // ops.blocked(rt, g, op, backend, pending, tensors): a start that did not finish
     PyObject *unstarted = nullptr; // ops.could_not_start(op, backend, exc): the error of an async start that raised
     PyObject *group_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr, *zero = nullptr;
-    Py_ssize_t name, recipe, at, listed, at_root, collective, split, async_plan, reads, writes, last; // Op's fields
+    Py_ssize_t name, recipe, at, listed, at_root, collective, split, reads, writes, last; // Op's fields
 } D;
 
 // The compiled MPI starters (backends/mpi_native.c's Starter) and their start
@@ -997,7 +997,8 @@ PyObject *unstarted(PyObject *op, PyObject *backend)
 // An async call from its plan (ops._from_plan's async branch, with no observer):
 // ordered after outstanding work on the same memory, started, tracked by the
 // engine; its Work.
-PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *plan, PyObject *tensors)
+PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *plan, PyObject *tensors,
+                      PyObject *const *argv, Py_ssize_t argc, PyObject *listed_result)
 {
     THPObjectPtr reads(pick(tensors, PyTuple_GET_ITEM(op, D.reads)));
     THPObjectPtr writes(reads ? pick(tensors, PyTuple_GET_ITEM(op, D.writes)) : nullptr);
@@ -1022,8 +1023,7 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     }
     if (!spans)
         return nullptr;
-    THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, 1), &PyTuple_GET_ITEM(tensors, 0),
-                                    PyTuple_GET_SIZE(tensors)));
+    THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, 1), argv, argc));
     if (!pending)
         return unstarted(op, backend);
     // A send or receive often completes in its start (an eager send, a message
@@ -1042,7 +1042,8 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
         } else
             done = tested.get() == Py_True;
     }
-    THPObjectPtr result(PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes.get() : reads.get()));
+    THPObjectPtr result(listed_result != nullptr ? Py_NewRef(listed_result)
+                        : PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes.get() : reads.get()));
     if (!result)
         return nullptr;
     PyObject *work = track(engine, g, name, backend, pending.get(), reads.get(), writes.get(), result.get(), spans.get(),
@@ -1070,8 +1071,9 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
 // the call's plan up. A blocking call with the logger and the profiler off,
 // valid split sizes (if any), and a list (if any) of blocks back to back, it
 // then starts here, handing it to ops.blocked when its start did not finish
-// it; an async call (one tensor or a pair, some bytes) it orders, starts and
-// hands to the engine (start_async); other calls with a plan go to
+// it; an async call of some bytes it orders, starts and hands to the engine
+// (start_async), its list viewed and its split sizes counted as a blocking
+// call's; other calls with a plan go to
 // ops.planned, calls that never have one to ops.general, and the rest to
 // ops.run (which also builds the plans).
 PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no torch warning handler: drive reads tensors only through plan_key_of and span)
@@ -1096,10 +1098,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     THPObjectPtr engine(get(rt, a_engine));
     if (!engine)
         return nullptr;
-    if (async_op == Py_True)
-        state = PyObject_IsTrue(PyTuple_GET_ITEM(op, D.async_plan)) == 1 ? 0 : 1;
-    else
-        state = truth(engine.get(), a_outstanding);
+    state = async_op == Py_True ? 0 : truth(engine.get(), a_outstanding);
     if (state != 0 || (state = truth(engine.get(), a_lost)) != 0)
         return state < 0 ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
     THPObjectPtr g(group == Py_None ? get(rt, a_world) : (Py_INCREF(group), group));
@@ -1122,7 +1121,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         return PyObject_Vectorcall(D.general, args, n, nullptr);
     PyObject *name = PyTuple_GET_ITEM(op, D.name);
     THPObjectPtr key(splits == Py_None ? PyTuple_Pack(4, name, facts.get(), backend, async_op)
-                                       : PyTuple_Pack(5, name, facts.get(), backend, Py_False, D.zero));
+                                       : PyTuple_Pack(5, name, facts.get(), backend, async_op, D.zero));
     THPObjectPtr starters(key ? get(g.get(), a_starters) : nullptr);
     if (!starters)
         return nullptr;
@@ -1139,23 +1138,23 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         return nullptr;
     if (observer.get() != Py_None)
         return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
-    if (async_op == Py_True) { // (only ops with async_plan get here: one tensor or a pair, never listed or split)
-        size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, 2));
-        if (nbytes == static_cast<size_t>(-1) && PyErr_Occurred())
-            return nullptr;
-        if (nbytes == 0 && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 1)
-            return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
-        return start_async(engine.get(), g.get(), op, plan, tensors);
-    }
     PyObject *argv[4];
     Py_ssize_t argc = PyTuple_GET_SIZE(tensors);
     for (Py_ssize_t i = 0; i < argc; i++)
         argv[i] = PyTuple_GET_ITEM(tensors, i);
-    THPObjectPtr whole, call, out_counts, in_counts;
+    THPObjectPtr whole, call, out_counts, in_counts, listed_result;
     if (listed >= 0) { // the list as the view of its blocks the group remembers
         if (argc != 2 || listed > 1)
             return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
         PyObject *parts = argv[listed], *single = argv[1 - listed];
+        int written = async_op == Py_True ? PySequence_Contains(PyTuple_GET_ITEM(op, D.writes), PyTuple_GET_ITEM(op, D.listed)) : 0;
+        if (written < 0)
+            return nullptr;
+        if (written) { // (an async Work's result: the blocks, as the general path's)
+            listed_result = THPObjectPtr(parts == Py_None ? PyList_New(0) : PySequence_List(parts));
+            if (!listed_result)
+                return nullptr;
+        }
         THPObjectPtr rank(get(g.get(), a_rank));
         long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, 3)), my_rank = rank ? PyLong_AsLong(rank.get()) : -1;
         if (PyErr_Occurred())
@@ -1203,9 +1202,14 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, 2));
         if (nbytes == static_cast<size_t>(-1) && PyErr_Occurred())
             return nullptr;
-        if (nbytes == 0) // every rank skips a zero-byte collective
+        if (nbytes == 0) { // every rank skips a zero-byte collective (an async one: ops.planned's done Work)
+            if (async_op == Py_True)
+                return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
             Py_RETURN_NONE;
+        }
     }
+    if (async_op == Py_True)
+        return start_async(engine.get(), g.get(), op, plan, call.get(), argv, argc, listed_result.get());
     PyObject *pending = start_plan(PyTuple_GET_ITEM(plan, 1), argv, argc);
     if (pending == nullptr || pending == D.done) {
         Py_XDECREF(pending);
@@ -1245,11 +1249,10 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
     if ((d.name = field(fields, "name")) < 0 || (d.recipe = field(fields, "recipe")) < 0
         || (d.at = field(fields, "at")) < 0 || (d.listed = field(fields, "listed")) < 0
         || (d.at_root = field(fields, "at_root")) < 0 || (d.collective = field(fields, "collective")) < 0
-        || (d.split = field(fields, "split")) < 0 || (d.async_plan = field(fields, "async_plan")) < 0
+        || (d.split = field(fields, "split")) < 0
         || (d.reads = field(fields, "reads")) < 0 || (d.writes = field(fields, "writes")) < 0)
         return nullptr;
-    d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.async_plan, d.reads,
-                       d.writes});
+    d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.reads, d.writes});
     PyObject **slots[] = {&d.slow, &d.general, &d.planned, &d.blocked, &d.unstarted, &d.group_type, &d.done, &SUM,
                           &d.profiler};
     for (int i = 0; i < 9; i++) {

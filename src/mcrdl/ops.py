@@ -75,7 +75,6 @@ class Op(NamedTuple):
     collective: bool = True  # False: point to point (the peer passes its own size)
     split: bool = False  # split sizes per call (all_to_all_single)
     at: int = 0
-    async_plan: bool = True  # may run from a plan while other work is in flight
 
 
 # -- checks -----------------------------------------------------------------------------
@@ -207,7 +206,7 @@ def _nbytes(at: int, per_rank: bool = False):
 ALL_REDUCE = Op("all_reduce", "all_reduce", ("tensor",), (0,), (0,), _nbytes(0), REDUCED, reduces=True)
 BROADCAST = Op("broadcast", "broadcast", ("tensor",), (0,), (0,), _nbytes(0), ROOTED, root="src")
 REDUCE = Op("reduce", "reduce", ("tensor",), (0,), (0,), _nbytes(0), ROOTED_REDUCED, root="dst",
-            reduces=True, async_plan=False)
+            reduces=True)
 ALL_GATHER_INTO_TENSOR = Op(
     "all_gather_into_tensor", "all_gather_into_tensor", ("output_tensor", "input_tensor"), (1,), (0,),
     _nbytes(0), PAIRED, lambda op, g, ts: _holds_blocks(op, g, ts[1], ts[0], "output_tensor"), block=1)
@@ -215,15 +214,15 @@ REDUCE_SCATTER_TENSOR = Op(
     "reduce_scatter_tensor", "reduce_scatter_tensor", ("output", "input"), (1,), (0,), _nbytes(1),
     PAIRED_REDUCED, lambda op, g, ts: _holds_blocks(op, g, ts[0], ts[1], "input"), reduces=True)
 ALL_GATHER = ALL_GATHER_INTO_TENSOR._replace(name="all_gather", names=("tensor_list", "tensor"), listed=0,
-                                             recipe=KEY, at=1, async_plan=False)
+                                             recipe=KEY, at=1)
 REDUCE_SCATTER = REDUCE_SCATTER_TENSOR._replace(name="reduce_scatter", names=("output", "input_list"),
-                                                listed=1, recipe=REDUCED, async_plan=False)
+                                                listed=1, recipe=REDUCED)
 GATHER = Op("gather", "gather", ("gather_list", "tensor"), (1,), (0,), _nbytes(1, True), ROOTED, root="dst",
-            listed=0, at_root=True, block=1, at=1, async_plan=False)
+            listed=0, at_root=True, block=1, at=1)
 SCATTER = Op("scatter", "scatter", ("tensor", "scatter_list"), (1,), (0,), _nbytes(0, True), ROOTED,
-             root="src", listed=1, at_root=True, async_plan=False)
+             root="src", listed=1, at_root=True)
 ALL_TO_ALL_SINGLE = Op("all_to_all_single", "all_to_all_single", ("output", "input"), (1,), (0,), _nbytes(1),
-                       PAIRED, _a2a_check, block=1, split=True, async_plan=False)
+                       PAIRED, _a2a_check, block=1, split=True)
 SEND = Op("send", "send", ("tensor",), (0,), (), _nbytes(0), P2P, root="dst", collective=False)
 RECV = Op("recv", "recv", ("tensor",), (), (0,), _nbytes(0), P2P, root="src", collective=False)
 ISEND, IRECV = SEND._replace(name="isend"), RECV._replace(name="irecv")
@@ -235,12 +234,12 @@ def run(rt: Optional[Runtime], op: Op, group, async_op: bool, backend, tensors: 
     """Run ``op`` (see the module's docstring): None, or its Work with
     ``async_op``. ``splits``: all_to_all_single's (output, input) split sizes."""
     if (rt is not None and not rt.debug and not rt.engine.lost and (backend is None or type(backend) is str)
-            and (op.async_plan if async_op else not rt.engine.outstanding)):
+            and (async_op or not rt.engine.outstanding)):
         g = rt.world if group is None else group
         if type(g) is Group and g.owner is rt and g.rank >= 0:
             facts = _plan_key(op.recipe, op.at, tensors, fixed)
             if facts is not None:
-                key = (op.name, facts, backend, async_op) if splits is None else (op.name, facts, backend, False, 0)
+                key = (op.name, facts, backend, async_op) if splits is None else (op.name, facts, backend, async_op, 0)
                 plan = g.starters.get(key)
                 if plan is None:
                     plan = _remember(g, key, _plan(rt, g, op, tensors, fixed, backend, async_op, splits is None))
@@ -350,8 +349,10 @@ def _remember(g: Group, key, plan):
 def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async_op: bool, splits):
     """Run one call from its plan; _GENERAL when this call must take the general path."""
     backend, start, nbytes, peer, extra = plan
-    args, counts = tensors, None
+    args, counts, result = tensors, None, None
     if op.listed >= 0:  # the list as one view of its blocks, which must lie back to back
+        if async_op and op.listed in op.writes:  # (its Work's result: the blocks, as the general path's)
+            result = list(tensors[op.listed] or ())
         tensors = args = _spanned(g, op, tensors, peer, extra)
         if tensors is None:
             return _GENERAL
@@ -365,7 +366,7 @@ def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async
                 return _GENERAL
             args, counts = (*tensors, out_counts, in_counts), in_counts
     if not nbytes and op.collective and not op.split:
-        return _skip(rt, op.name, async_op, _result(op, tensors))
+        return _skip(rt, op.name, async_op, _result(op, tensors) if result is None else result)
     observer = rt.traced if _torch_profiler._is_profiler_enabled else rt.observer
     if not async_op and observer is None:
         pending = start(*args)
@@ -391,7 +392,8 @@ def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async
         pending = start(*args)
     except Exception as exc:
         raise could_not_start(op, backend, exc)  # (its cause: exc)
-    work = engine.run(op.name, backend, pending, reads, writes, post, g, _result(op, tensors), True, spans)
+    work = engine.run(op.name, backend, pending, reads, writes, post, g,
+                      _result(op, tensors) if result is None else result, True, spans)
     work.peer = peer
     return work
 

@@ -73,10 +73,19 @@ def all_gather_into_tensor(kw, dtype, n, s):
     return work, [(out, torch.cat([ref(r, n, dtype, s) for r in ALL]))]
 
 
+def results_are(work, parts, what):
+    """An async Work's result() lists the blocks a caller's list passed (on every path)."""
+    if work is not None:
+        verdicts.check(f"[{work.backend} {what}] result() is the list's blocks",
+                       len(work.result()) == len(parts) and all(a is b for a, b in zip(work.result(), parts)),
+                       "its blocks", work.result())
+
+
 def all_gather(kw, dtype, n, s):  # the list as views of one buffer: run as the flat op
     out = torch.empty(world * n, dtype=dtype)
-    work = mcrdl.all_gather(list(out.chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world,
-                            value(rank, n, dtype, s), **kw)
+    parts = list(out.chunk(world)) if n else [torch.empty(0, dtype=dtype)] * world
+    work = mcrdl.all_gather(parts, value(rank, n, dtype, s), **kw)
+    results_are(work, parts, "all_gather")
     return work, [(out, torch.cat([ref(r, n, dtype, s) for r in ALL]))]
 
 
@@ -95,7 +104,9 @@ def reduce_scatter(kw, dtype, n, s):
 
 def gather(kw, dtype, n, s):
     whole = torch.empty(world, n, dtype=dtype)
-    work = mcrdl.gather(value(rank, n, dtype, s), list(whole.unbind(0)) if rank == ROOT else None, ROOT, **kw)
+    parts = list(whole.unbind(0)) if rank == ROOT else None
+    work = mcrdl.gather(value(rank, n, dtype, s), parts, ROOT, **kw)
+    results_are(work, parts or [], "gather")
     return work, [(whole.view(-1), torch.cat([ref(r, n, dtype, s) for r in ALL]))] if rank == ROOT else []
 
 

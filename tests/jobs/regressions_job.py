@@ -447,6 +447,46 @@ def plans_order(backend):
         third.wait()
         check(bool((out == world * world).all()) and bool((a == world ** 3).all()),
               f"{backend} call {call}: results in program order", (out[:2], a[:2]))
+        every_op_from_its_plan_orders(backend, a, out, call)
+
+
+def every_op_from_its_plan_orders(backend, a, out, call):
+    """Every other op's async call from its plan (rooted, list forms, even and
+    uneven all-to-all) after an all_reduce writing what it reads or writes:
+    started, the all_reduce is done (16 MiB: it was still running)."""
+    n, root = a.numel(), world - 1
+    block, other = n // world, torch.empty(n)
+    counts = [block] * world
+    calls = {  # each reads a (scatter: writes a block of it), the only tensor its rank shares with the all_reduce
+        "reduce": lambda: mcrdl.reduce(a, root, backend=backend, async_op=True),
+        "all_gather": lambda: mcrdl.all_gather(list(out.chunk(world)), a, backend=backend, async_op=True),
+        "reduce_scatter": lambda: mcrdl.reduce_scatter(other[:block], list(a.chunk(world)), backend=backend,
+                                                       async_op=True),
+        "gather": lambda: mcrdl.gather(a, list(out.chunk(world)) if rank == root else None, root,
+                                       backend=backend, async_op=True),
+        "scatter": lambda: mcrdl.scatter(a[:block], list(other.chunk(world)) if rank == root else None, root,
+                                         backend=backend, async_op=True),
+        "all_to_all_single": lambda: mcrdl.all_to_all_single(other, a, backend=backend, async_op=True),
+        "uneven all_to_all_single": lambda: mcrdl.all_to_all_single(other, a, counts, counts, backend=backend,
+                                                                     async_op=True),
+    }
+    for name, start in calls.items():
+        a.fill_(1.0)
+        other.fill_(float(rank + 1))
+        first = mcrdl.all_reduce(a, backend=backend, async_op=True)
+        work = start()
+        check(first._done, f"{backend} call {call}: {name} waits for the all_reduce writing its tensor")
+        work.wait()
+        if name == "reduce" and rank != root:
+            continue  # (scratch there)
+        if name == "reduce":
+            want = torch.full((n,), float(world * world))
+        elif name == "scatter":
+            want = torch.full((n,), float(world))
+            want[:block] = float(root + 1)
+        else:
+            want = torch.full((n,), float(world))
+        check(torch.equal(a, want), f"{backend} call {call}: {name} in program order", a[:2], a[block:block + 2])
 
 
 def start_error():
@@ -506,7 +546,7 @@ CASES = {"collective_order": collective_order, "p2p_order": p2p_order, "staging"
          "parameters": parameters, "barrier": barrier_orders, "destroy": destroy_pending,
          "callback_at_exit": callback_at_exit, "multidim_blocks": multidim_blocks, "span_memo": span_memo,
          "released": released, "plan_fit": plan_fit, "start_error": start_error, "wait_error": wait_error,
-         "gloo_plans_order": lambda: plans_order("gloo")}
+         "gloo_plans_order": lambda: plans_order("gloo"), "mpi_plans_order": lambda: plans_order("mpi")}
 if len(cases) > 1:
     verdicts.run_parts(cases, CASES, after_each=mcrdl.barrier)
 else:
