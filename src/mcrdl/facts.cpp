@@ -1147,14 +1147,6 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         if (argc != 2 || listed > 1)
             return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
         PyObject *parts = argv[listed], *single = argv[1 - listed];
-        int written = async_op == Py_True ? PySequence_Contains(PyTuple_GET_ITEM(op, D.writes), PyTuple_GET_ITEM(op, D.listed)) : 0;
-        if (written < 0)
-            return nullptr;
-        if (written) { // (an async Work's result: the blocks, as the general path's)
-            listed_result = THPObjectPtr(parts == Py_None ? PyList_New(0) : PySequence_List(parts));
-            if (!listed_result)
-                return nullptr;
-        }
         THPObjectPtr rank(get(g.get(), a_rank));
         long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, 3)), my_rank = rank ? PyLong_AsLong(rank.get()) : -1;
         if (PyErr_Occurred())
@@ -1172,6 +1164,14 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         }
         if (!whole)
             return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+        int written = async_op == Py_True ? PySequence_Contains(PyTuple_GET_ITEM(op, D.writes), PyTuple_GET_ITEM(op, D.listed)) : 0;
+        if (written < 0)
+            return nullptr;
+        if (written) { // (an async Work's result: the blocks, as the general path's; the list was accepted)
+            listed_result = THPObjectPtr(whole.get() == Py_None ? PyList_New(0) : PySequence_List(parts));
+            if (!listed_result)
+                return nullptr;
+        }
         argv[listed] = whole.get();
         call = THPObjectPtr(PyTuple_Pack(2, argv[0], argv[1]));
         if (!call)
@@ -1809,7 +1809,7 @@ PyObject *torch_wait(const TorchMethod *m, PyObject *const *args, Py_ssize_t n)
                                                            nullptr));
             return nullptr; // (retired: the Python method raises its error as Work.wait does)
         }
-        if (done == 0) {
+        if (done == 0 && slot(work, W.done) == Py_False) {
             PyObject *wait_args[3] = {engine.get(), work, deadline.get()};
             THPObjectPtr waited(PyObject_VectorcallMethod(s_wait, wait_args, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
             if (!waited)

@@ -267,7 +267,7 @@ def driver() -> Callable:
 def planned(rt: Runtime, g: Group, op: Op, plan: tuple, group, async_op: bool, backend, tensors: tuple,
             fixed: tuple, splits):
     """A call ``drive`` found the plan of but leaves to Python (observed, split
-    sizes, a list not seen before, an async call of no bytes)."""
+    sizes that do not fit, a list not back to back, an async collective of no bytes)."""
     done = _from_plan(rt, g, op, plan, tensors, async_op, splits)
     return general(rt, op, group, async_op, backend, tensors, fixed, splits) if done is _GENERAL else done
 
@@ -351,11 +351,12 @@ def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async
     backend, start, nbytes, peer, extra = plan
     args, counts, result = tensors, None, None
     if op.listed >= 0:  # the list as one view of its blocks, which must lie back to back
-        if async_op and op.listed in op.writes:  # (its Work's result: the blocks, as the general path's)
-            result = list(tensors[op.listed] or ())
+        parts = tensors[op.listed]
         tensors = args = _spanned(g, op, tensors, peer, extra)
         if tensors is None:
             return _GENERAL
+        if async_op and op.listed in op.writes:  # (its Work's result: the blocks, as the general path's)
+            result = list(parts or ())
     elif op.split:
         if splits is None:
             args = (*tensors, None, None)

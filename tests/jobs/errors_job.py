@@ -85,6 +85,9 @@ def local():
             lambda: mcrdl.reduce_scatter_tensor(torch.empty(4), f(4)))
     refused(1, ValueError, ["all_gather", "tensor_list", "2 tensors"],
             lambda: mcrdl.all_gather([f()], f()))
+    mcrdl.all_gather([f(), f()], f(), async_op=True).wait()  # (its plan: a later bad list is still named)
+    refused(1, ValueError, ["all_gather", "tensor_list", "2 tensors", "got Tensor"],
+            lambda: mcrdl.all_gather(torch.ones(2, 4), f(), async_op=True))
     refused(0, ValueError, ["reduce_scatter", "input_list", "2 tensors"],
             lambda: mcrdl.reduce_scatter(f(), [f(), f(), f()]))
     refused(1, ValueError, ["all_to_all_single", "input", "3 rows", "group size 2"],
