@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from datetime import timedelta
-from typing import Callable, List, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, List, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -160,9 +160,11 @@ def available_backends() -> dict[str, str]:
             for name in REGISTRY}
 
 
-def live_backends(device: str = "cpu") -> list[str]:
-    """The live backends that take tensors on ``device`` (``"cpu"``, ``"cuda"``)."""
-    return [name for name, b in current_runtime().backends.items() if device in b.devices]
+def live_backends(device: str = "cpu", ops: Optional[Iterable[str]] = None) -> list[str]:
+    """The live backends that take tensors on ``device`` (``"cpu"``, ``"cuda"``);
+    with ``ops`` (backend op names, :data:`mcrdl.backends.OPS`), only those that have every one."""
+    need = frozenset(ops or ())
+    return [name for name, b in current_runtime().backends.items() if device in b.devices and need <= b.ops]
 
 
 def get_backend_versions() -> dict[str, str]:
@@ -240,12 +242,13 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
             raise ValueError(f"explain: unknown device type {device!r} (expected one of {', '.join(DEVICES)})")
         nbytes, dtype = int(tensor_or_nbytes), torch.float32
     size = group_size or g.size
-    name, why = rt.selector.explain(op, nbytes, size, device, dtype, explicit=backend)
+    declined = g.declined if group_size in (None, g.size) else ()
+    name, why = rt.selector.explain(op, nbytes, size, device, dtype, explicit=backend, declined=declined)
     tuner = rt.autotune
     if tuner is not None and tuner.explores(op, backend) and group_size in (None, g.size):
         learned = tuner.describe(g, op, nbytes, device)
         won = tuner.frozen(g, op, nbytes, device, name, ignore_trial=True)
-        if won is not None and rt.selector.why_not(won, op, device, dtype) is None:
+        if won is not None and rt.selector.why_not(won, op, device, dtype, declined=declined) is None:
             name, why = won, learned
         else:
             why = f"{why}; {learned}"

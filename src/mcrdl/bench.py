@@ -410,13 +410,15 @@ def _runs(variant: str, op: str, device: str) -> bool:
     has no CUDA p2p: its cells stay empty, and a tune leaves it out there)"""
     if variant == "mcrdl" or variant.startswith("raw-"):
         return True
-    return api.current_runtime().selector.why_not(variant, OP_CLASS[op], device, torch.float32) is None
+    rt = api.current_runtime()
+    return rt.selector.why_not(variant, OP_CLASS[op], device, torch.float32, None, rt.world.declined) is None
 
 
 def _selected(op: str, nbytes: int, device: str) -> str:
     """The backend mcrdl's selection picks for this benchmark's call."""
     rt = api.current_runtime()
-    return rt.selector.choose(OP_CLASS[op], nbytes, rt.world.size, device, torch.float32, None, None)
+    return rt.selector.choose(OP_CLASS[op], nbytes, rt.world.size, device, torch.float32, None, None,
+                              rt.world.declined)
 
 
 def default_device() -> str:

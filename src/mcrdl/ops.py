@@ -321,13 +321,13 @@ def _plan(rt: Runtime, g: Group, op: Op, tensors: tuple, fixed: tuple, backend, 
     bfixed = (root, *fixed[1:]) if op.root else fixed
     nbytes = op.size(tensors, g.size)
     dtype, rop = tensors[op.block].dtype, fixed[-1] if op.reduces else None
-    chosen = rt.selector.choose(name, nbytes, g.size, "cpu", dtype, rop, backend)
+    chosen = rt.selector.choose(name, nbytes, g.size, "cpu", dtype, rop, backend, g.declined)
     timeout, tuner, timed = 0.0 if async_op else g.timeout, rt.autotune, False
     if tuner is not None and backend is None and op.collective:
         won = tuner.frozen(g, name, nbytes, "cpu", chosen)
         if won is None:
             return None
-        timed = won == chosen or rt.selector.why_not(won, name, "cpu", dtype, rop) is None
+        timed = won == chosen or rt.selector.why_not(won, name, "cpu", dtype, rop, g.declined) is None
         chosen = won if timed else chosen  # (the winner cannot run this dtype or reduction)
     start = rt.backends[chosen].starter(op.method, g.handles[chosen], timeout, tensors, *bfixed)
     if tuner is not None and backend is None and op.collective:
@@ -494,7 +494,7 @@ def general(rt: Optional[Runtime], op: Op, group, async_op: bool, backend, tenso
         peer = _root(name, g, fixed[0], op.root) if op.root else -1
     ref = tensors[op.block]
     if prepare:
-        rt.selector.choose(name, ref.nbytes, g.size, ref.device.type, ref.dtype, None, backend)
+        rt.selector.choose(name, ref.nbytes, g.size, ref.device.type, ref.dtype, None, backend, g.declined)
     parts = None  # the caller's list of blocks
     if i >= 0:
         parts = tensors[i]
@@ -665,13 +665,13 @@ def submit(rt: Runtime, op: str, g: Group, nbytes: int, ref: torch.Tensor, expli
     counts per peer) only feed the communication logger."""
     sel = rt.selector
     device = "cpu" if ref.is_cpu else ref.device.type
-    name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
+    name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit, g.declined)
     tuner = rt.autotune if rt.autotune is not None and rt.autotune.explores(op, explicit) else None
     if agree and (tuner is not None or sel.needs_agreement(op, g.size, explicit, device)):
         if rt.debug:
             fingerprint(rt, g, op, None, dtype=str(ref.dtype), device=device, shape=invariant, explicit=explicit)
         nbytes = rt.control_max(g, nbytes)
-        name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit)
+        name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit, g.declined)
     elif rt.debug and collective:
         fingerprint(rt, g, op, name, dtype=str(ref.dtype), device=device, shape=invariant,
                     explicit=explicit, **({} if tuner is None else
@@ -681,7 +681,7 @@ def submit(rt: Runtime, op: str, g: Group, nbytes: int, ref: torch.Tensor, expli
     timing = None  # the autotune bucket this call is timed for
     if tuner is not None:
         picked, timing = tuner.pick(rt, g, op, nbytes, device,
-                                    lambda n: sel.why_not(n, op, device, ref.dtype, reduce_op) is None)
+                                    lambda n: sel.why_not(n, op, device, ref.dtype, reduce_op, g.declined) is None)
         name = picked or name
     engine = rt.engine
     observer = rt.traced if _torch_profiler._is_profiler_enabled else rt.observer

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from .autotune import Autotuner
-from .backends import REGISTRY, Backend, Context
+from .backends import REGISTRY, Backend, BackendUnavailable, Context
 from . import pmi, rendezvous, settings
 from .backends.mpi import init_launched, library_name
 from .rank_env import mpi_launched
@@ -35,7 +35,7 @@ class Group:
     a torch process group behind one object)."""
 
     __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index",
-                 "starters", "tuned", "trying", "tuned_calls")
+                 "starters", "tuned", "trying", "tuned_calls", "declined")
 
     def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
                  owner: "Runtime"):
@@ -47,6 +47,8 @@ class Group:
         self.timeout = timeout
         self.name = name
         self.handles: dict[str, object] = {}
+        #: ((backend, why), ...): live backends that cannot serve this group (no handle; the selector skips them)
+        self.declined: tuple = ()
         self.seq = 0  # collectives issued (debug mode fingerprints)
         #: (nbytes, dtype, backend=) -> (backend chosen, all_reduce starter): the fast path's plans
         self.starters: dict = {}
@@ -244,13 +246,15 @@ class Runtime:
                                      self._peer_died, timeout, secret, settings.get("MCRDL_FROZEN_S"))
         self.engine.on_failure = self._on_failure
         ctx = self.ctx = Context(self.rank, self.world_size, timeout, self.mpi_comm, self.store,
-                                 self.shared_gpu, self.mpi_missing)
+                                 self.shared_gpu, self.mpi_missing, self.local_size)
         failed = None  # a backend's start raised: every rank must hear of it, not wait below
         for name in requested:
             reason = REGISTRY[name].unavailable_reason(ctx)
             if reason is None:
                 try:
                     self.backends[name] = REGISTRY[name](ctx)
+                except BackendUnavailable as exc:
+                    self.unavailable[name] = str(exc)
                 except Exception as exc:
                     failed = exc
                     break
@@ -291,7 +295,7 @@ class Runtime:
                 self.watchdog.on_dump = lambda asker: self.dump_flight_recorder(
                     f"asked by rank {asker}", confirm=True)
         self.groups: list[Group] = []
-        self.world = self.new_group(range(self.world_size), timeout, name="world")
+        self.world = self.new_group(range(self.world_size), timeout, name="world", world=True)
         if comms_log:  # an observer: the API reports each op to it
             from .features.logger import CommsLogger
             self.logger = CommsLogger(self.rank, self.world_size,
@@ -426,7 +430,7 @@ class Runtime:
 
     # -- groups -------------------------------------------------------------------
     def new_group(self, ranks: Iterable[int], timeout: Optional[float] = None,
-                  name: Optional[str] = None, store=None) -> Group:
+                  name: Optional[str] = None, store=None, world: bool = False) -> Group:
         """A group of ``ranks``. Only its members build anything, with every live
         backend (MPI: ``Comm.Create_group``; gloo/nccl: a process group on the
         group's store), as in torch: so it may be called on the members alone
@@ -462,8 +466,14 @@ class Runtime:
                 # an earlier start's keys only with the same view
                 store = rendezvous.fresh_keys(store, group.rank, len(group.ranks), group.timeout,
                                               lambda late: _not_created(group, [group.ranks[r] for r in late]))
+            declined = []
             for bname, backend in self.backends.items():
-                group.handles[bname] = backend.new_group(group.ranks, group.rank, store, seconds)
+                why = backend.group_unsupported(group.ranks, world)
+                if why is None:
+                    group.handles[bname] = backend.new_group(group.ranks, group.rank, store, seconds)
+                else:
+                    declined.append((bname, why))
+            group.declined = tuple(declined)
         self.groups.append(group)
         return group
 

@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 import torch
 
 from .backends import Backend
-from .tuning import OP_CLASS, SELECT_OPS, TuningTable
+from .tuning import CLASS_METHODS, OP_CLASS, SELECT_OPS, TuningTable
 from .types import UnsupportedError
 
 
@@ -57,8 +57,12 @@ class Selector:
         self._cache: dict[tuple, str] = {}  # full decisions, bounded
 
     def why_not(self, name: str, op: str, device: str, dtype: torch.dtype,
-                reduce_op=None) -> Optional[str]:
-        """Why backend ``name`` cannot run this op here, or None (cached)."""
+                reduce_op=None, declined: tuple = ()) -> Optional[str]:
+        """Why backend ``name`` cannot run this op here, or None (cached).
+        ``declined``: the group's ``(backend, why)`` pairs of backends that do not serve it."""
+        for n, why in declined:
+            if n == name:
+                return f"backend {name!r} does not serve this group: {why}"
         key = (name, op, device, dtype, reduce_op)
         try:
             return self._capable[key]
@@ -69,31 +73,33 @@ class Selector:
             reason = f"backend {name!r} is not live in this job (live: {', '.join(self.live)})"
         elif device not in backend.devices and op != "barrier":  # a barrier carries no tensor
             reason = f"backend {name!r} does not take {device} tensors"
+        elif not CLASS_METHODS[OP_CLASS[op]] <= backend.ops:
+            reason = f"backend {name!r} has no {op} (it has {', '.join(sorted(backend.ops))})"
         else:
             reason = backend.unsupported(op, dtype, reduce_op, device)
         self._capable[key] = reason
         return reason
 
     def choose(self, op: str, nbytes: int, group_size: int, device: str, dtype: torch.dtype,
-               reduce_op=None, explicit: Optional[str] = None) -> str:
+               reduce_op=None, explicit: Optional[str] = None, declined: tuple = ()) -> str:
         """The backend for one call (hot path: one dict lookup once seen)."""
-        key = (op, nbytes, group_size, device, dtype, reduce_op, explicit)
+        key = (op, nbytes, group_size, device, dtype, reduce_op, explicit, declined)
         try:
             return self._cache[key]
         except KeyError:
             pass
         except TypeError:  # an unhashable backend=
             raise TypeError(f"{op}: backend must be a backend name or None, got {explicit!r}") from None
-        name = self._choose(op, nbytes, group_size, device, dtype, reduce_op, explicit)
+        name = self._choose(op, nbytes, group_size, device, dtype, reduce_op, explicit, declined)
         if len(self._cache) >= 4096:
             self._cache.clear()
         self._cache[key] = name
         return name
 
-    def _choose(self, op, nbytes, group_size, device, dtype, reduce_op, explicit) -> str:
+    def _choose(self, op, nbytes, group_size, device, dtype, reduce_op, explicit, declined) -> str:
         cls = OP_CLASS[op]
         if explicit is not None:
-            reason = self.why_not(explicit, op, device, dtype, reduce_op)
+            reason = self.why_not(explicit, op, device, dtype, reduce_op, declined)
             if reason is not None:
                 raise UnsupportedError(f"{op}({dtype}, {device}) with backend={explicit!r}: {reason}")
             return explicit
@@ -102,17 +108,17 @@ class Selector:
             name = self.table.lookup(cls, group_size, nbytes, device)
         if name is None:
             name = self.device_defaults.get(device, self.default)
-        if self.why_not(name, op, device, dtype, reduce_op) is None:
+        if self.why_not(name, op, device, dtype, reduce_op, declined) is None:
             return name
-        return self.explain(op, nbytes, group_size, device, dtype, reduce_op)[0]
+        return self.explain(op, nbytes, group_size, device, dtype, reduce_op, declined=declined)[0]
 
     def explain(self, op: str, nbytes: int, group_size: int, device: str = "cpu",
                 dtype: torch.dtype = torch.float32, reduce_op=None,
-                explicit: Optional[str] = None) -> tuple[str, str]:
+                explicit: Optional[str] = None, declined: tuple = ()) -> tuple[str, str]:
         """(backend, reason): the choice and the rule that made it."""
         cls = OP_CLASS[op]
         if explicit is not None:
-            return self.choose(op, nbytes, group_size, device, dtype, reduce_op, explicit), \
+            return self.choose(op, nbytes, group_size, device, dtype, reduce_op, explicit, declined), \
                 "backend= given on the call"
         candidates = []
         if cls in self.static:
@@ -132,7 +138,7 @@ class Selector:
             if name in tried:  # (the default is also a live backend: one reason each)
                 continue
             tried.add(name)
-            reason = self.why_not(name, op, device, dtype, reduce_op)
+            reason = self.why_not(name, op, device, dtype, reduce_op, declined)
             if reason is None:
                 return name, why + "".join(f" (skipped {s})" for s in skipped)
             skipped.append(f"{name}: {reason}")

@@ -56,6 +56,12 @@ OP_CLASS.update(all_gather_into_tensor="all_gather", reduce_scatter_tensor="redu
                 # the bench's and model's name for all_to_all_single with split sizes (MPI Alltoallv)
                 all_to_allv="all_to_all")
 
+#: Selection class -> the backend ops (:data:`mcrdl.backends.OPS`) that run it.
+CLASS_METHODS = {cls: frozenset({cls}) for cls in SELECT_OPS}
+CLASS_METHODS.update(all_gather=frozenset({"all_gather_into_tensor"}),
+                     reduce_scatter=frozenset({"reduce_scatter_tensor"}),
+                     all_to_all=frozenset({"all_to_all_single"}), p2p=frozenset({"send", "recv"}))
+
 
 def busbw_factor(op: str, n: int) -> float:
     """nccl-tests' bus-bandwidth factor (docs/bench.md) of ``op`` (an API op,

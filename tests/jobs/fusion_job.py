@@ -4,6 +4,7 @@ input. Usage: fusion_job.py"""
 import torch
 
 import mcrdl
+from mcrdl.backends import OPS  # the libraries that have every op
 import verdicts
 from common import check, reduced, value
 from mcrdl.features.fusion import (all_gather_coalesced, all_reduce_coalesced, broadcast_coalesced,
@@ -11,7 +12,7 @@ from mcrdl.features.fusion import (all_gather_coalesced, all_reduce_coalesced, b
 
 mcrdl.init_process_group(timeout=120)
 rank, world = mcrdl.get_rank(), mcrdl.get_world_size()
-live = mcrdl.live_backends("cpu")
+live = mcrdl.live_backends("cpu", ops=OPS)
 BUCKET = 4096  # small: some tensors are bigger than a bucket, several buckets per dtype
 count = 0
 

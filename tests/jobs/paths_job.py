@@ -14,6 +14,7 @@ import time
 import torch
 
 import mcrdl
+from mcrdl.backends import OPS  # the libraries that have every op
 import common
 import verdicts
 from mcrdl import api, facts, ops
@@ -167,7 +168,7 @@ parser.add_argument("--sizes", default="0,1,7,16384,1048576", help="elements per
 parser.add_argument("backends", nargs="*")
 args = parser.parse_args()
 calls = 0
-for backend in args.backends or mcrdl.live_backends("cpu"):
+for backend in args.backends or mcrdl.live_backends("cpu", ops=OPS):
     for dtype in DTYPES:
         for numel in map(int, args.sizes.split(",")):
             if numel >= LARGE and dtype is not torch.float32:
@@ -269,7 +270,7 @@ def lock_guards_async_works(hold_s: float = 0.3) -> bool:
     return ok
 
 
-if "mpi" in (args.backends or mcrdl.live_backends("cpu")):
+if "mpi" in (args.backends or mcrdl.live_backends("cpu", ops=OPS)):
     torch_group = ProcessGroupMCRDL(api.current_runtime().world, rank, world)
     born = born_done()
     compiled = facts.load() is not facts  # (pure Python: every Work is outstanding until waited)

@@ -6,6 +6,7 @@ import time
 import torch
 
 import mcrdl
+from mcrdl.backends import OPS  # the libraries that have every op
 import verdicts
 from common import check
 
@@ -219,7 +220,7 @@ def futures_thread():
 def multidim_blocks():
     """scatter/gather of multi-dim tensors from/into back-to-back views of one buffer
     (DTensor's distribute_tensor): gloo got flat blocks and refused them."""
-    for backend in mcrdl.live_backends():
+    for backend in mcrdl.live_backends(ops=OPS):
         big = torch.arange(2 * world, dtype=torch.float32).repeat_interleave(3).view(2 * world, 3)
         out = torch.zeros(2, 3)
         mcrdl.scatter(out, list(big.chunk(world)) if rank == 0 else None, 0, backend=backend)
@@ -237,7 +238,7 @@ def span_memo():
     paths of all_gather, reduce_scatter, gather, scatter); the same list
     holding other tensors, or its tensors moved to other memory, must not
     reuse the remembered buffer."""
-    for backend in mcrdl.live_backends():
+    for backend in mcrdl.live_backends(ops=OPS):
         for op in ("all_gather", "gather", "scatter", "reduce_scatter"):
             buf = torch.zeros(world * 2)
             parts = list(buf.chunk(world))
@@ -302,7 +303,7 @@ def plan_fit():
     def same(got, want, what):
         check(torch.equal(got, want), "plan_fit:", what, "got", got, "expected", want)
 
-    for backend in mcrdl.live_backends():
+    for backend in mcrdl.live_backends(ops=OPS):
         for dtype, n in ((torch.float32, 4), (torch.int32, 4), (torch.float64, 2), (torch.int8, 16)):
             t = torch.full((n,), rank + 1, dtype=dtype)
             mcrdl.all_reduce(t, backend=backend)
@@ -353,7 +354,7 @@ def released():
     import weakref
     world_group = mcrdl.new_group(list(range(world)))
     for g in (None, world_group):
-        for backend in mcrdl.live_backends():
+        for backend in mcrdl.live_backends(ops=OPS):
             mcrdl.all_reduce(torch.ones(4), group=g, backend=backend)
             mcrdl.broadcast(torch.ones(4), 0, group=g, backend=backend)
     held = [mcrdl.api.current_runtime().world, world_group]  # as ProcessGroupMCRDL holds its group

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
+from mcrdl.backends import OPS  # the libraries that have every op
 import mcrdl.integrations.torch_backend as tb
 import verdicts
 from common import check
@@ -40,7 +41,7 @@ if world - 1 - rank != rank:
 dist.init_process_group("mcrdl", **tb.init_kwargs())
 check(dist.get_rank() == rank and dist.get_world_size() == world, "default group ranks")
 check(dist.group.WORLD.mcrdl_group is mcrdl.api.current_runtime().world, "default group is mcrdl's world")
-live = mcrdl.live_backends()
+live = mcrdl.live_backends(ops=OPS)
 
 
 def all_reduce_everywhere(group, ranks):

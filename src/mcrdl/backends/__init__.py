@@ -5,9 +5,10 @@ its own module and calling :func:`register_backend` (see docs/backends.md).
 """
 from __future__ import annotations
 
-from .base import OPS, Backend, Context
+from .base import OPS, Backend, BackendUnavailable, Context
 from .mpi import MPIBackend
 from .mpi_staged import StagedMPIBackend
+from .shm import ShmBackend
 from .torch_pg import GlooBackend, NCCLBackend
 
 #: Registered backends in preference order (first capable one is the fallback).
@@ -22,7 +23,8 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-for _cls in (MPIBackend, NCCLBackend, StagedMPIBackend, GlooBackend):  # CUDA without NCCL: staged before gloo
+# CUDA without NCCL: staged before gloo; the narrow shm last (never the fallback)
+for _cls in (MPIBackend, NCCLBackend, StagedMPIBackend, GlooBackend, ShmBackend):
     register_backend(_cls)
 
-__all__ = ["OPS", "REGISTRY", "Backend", "Context", "register_backend"]
+__all__ = ["OPS", "REGISTRY", "Backend", "BackendUnavailable", "Context", "register_backend"]

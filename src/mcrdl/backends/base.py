@@ -25,12 +25,19 @@ OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_sc
        "gather", "scatter", "all_to_all_single", "barrier", "send", "recv")
 
 
+class BackendUnavailable(Exception):
+    """Raised by a backend's constructor when what it learned from its peers
+    (the same on every rank) rules it out in this job: it is then not live,
+    with this message as the reason."""
+
+
 class Context:
     """What a backend may use while starting: identity, launcher handles,
     timeout, and whether ranks share a GPU."""
 
     def __init__(self, rank: int, world_size: int, timeout: float, mpi_comm: Any = None,
-                 store: Any = None, shared_gpu: bool = False, mpi_missing: Optional[str] = None):
+                 store: Any = None, shared_gpu: bool = False, mpi_missing: Optional[str] = None,
+                 local_size: int = 1):
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -40,6 +47,27 @@ class Context:
         self.shared_gpu = shared_gpu
         #: why no MPI communicator could be had (None: an MPI launcher's, or MPI not asked for)
         self.mpi_missing = mpi_missing
+        #: ranks of this job on this host
+        self.local_size = local_size
+        self._shared = 0
+
+    def share(self, value: Any) -> list:
+        """Every rank's ``value`` (picklable), in rank order: over MPI when it is
+        live, else through the store. Collective: every rank's backends call it
+        in the same order while they start."""
+        if self.mpi_comm is not None:
+            return self.mpi_comm.allgather(value)
+        if self.store is None:
+            raise RuntimeError("no MPI communicator and no store to exchange start-up data over")
+        import pickle
+        from datetime import timedelta
+
+        self._shared += 1
+        key = f"backends/share/{self._shared}/"
+        self.store.set(key + str(self.rank), pickle.dumps(value))
+        keys = [key + str(r) for r in range(self.world_size)]
+        self.store.wait(keys, timedelta(seconds=self.timeout))
+        return [pickle.loads(self.store.get(k)) for k in keys]
 
 
 class Backend:
@@ -48,6 +76,8 @@ class Backend:
     name: str = ""
     #: Device types this backend accepts (``"cpu"``, ``"cuda"``).
     devices: frozenset = frozenset({"cpu"})
+    #: The ops of :data:`OPS` it has (the others fall through to the next library).
+    ops: frozenset = frozenset(OPS)
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -61,6 +91,12 @@ class Backend:
                     device: str) -> Optional[str]:
         """Why this backend cannot run ``op`` on ``dtype`` tensors of ``device``
         type (one of :attr:`devices`) correctly, or None."""
+        return None
+
+    def group_unsupported(self, ranks: Sequence[int], world: bool) -> Optional[str]:
+        """Why this backend cannot serve a group of these global ``ranks`` (the
+        same answer on every rank), or None; ``world``: the job's world group.
+        A group it declines has no handle of it, and its ops fall through."""
         return None
 
     def version(self) -> str:
