@@ -52,12 +52,10 @@ def _cmd_info(args) -> int:
         console.print(f"torch {torch.__version__}, mpi4py {mpi4py.__version__}, Python {sys.version.split()[0]}")
         from . import facts
         console.print(f"fast-path tensor checks: {facts.status()}")
-        if "mpi" in versions:
-            from .backends import native
-            console.print(f"MPI hot path: {native.status()}")
-            from .backends.mpi import cuda_support
-            aware, how = cuda_support()
-            console.print(f"MPI takes CUDA memory: {'yes' if aware else 'no'} ({how})")
+        from .backends import REGISTRY
+        for name, cls in REGISTRY.items():  # (each builds its compiled part here: set-up runs this)
+            for line in cls.info_lines(name in versions):
+                console.print(line)
         console.print(f"waits: {mcrdl.wait_policy()} (MCRDL_WAIT={settings.get('MCRDL_WAIT')})")
     finally:
         mcrdl.destroy_process_group()

@@ -266,6 +266,12 @@ class Runtime:
             self._keep_backends_live_everywhere(failed)
         if failed is not None:
             raise failed
+        for name in list(self.backends):
+            try:
+                self.backends[name].join()
+            except BackendUnavailable as exc:
+                self.backends.pop(name).shutdown()
+                self.unavailable[name] = str(exc)
         if not self.backends:
             raise RuntimeError("mcrdl: no backend could start: " + "; ".join(
                 f"{n}: {r}" for n, r in self.unavailable.items()))

@@ -26,9 +26,9 @@ OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_sc
 
 
 class BackendUnavailable(Exception):
-    """Raised by a backend's constructor when what it learned from its peers
-    (the same on every rank) rules it out in this job: it is then not live,
-    with this message as the reason."""
+    """Raised by a backend's constructor or :meth:`Backend.join` when what it
+    learned (the same on every rank) rules it out in this job: it is then not
+    live, with this message as the reason."""
 
 
 class Context:
@@ -86,6 +86,18 @@ class Backend:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+
+    def join(self) -> None:
+        """Called on every rank once every rank's backends started, in registry
+        order: the place for start-up exchanges with the peers (:meth:`Context.share`),
+        which a start that failed on some rank would otherwise leave waiting.
+        Raise :class:`BackendUnavailable` to be left out (on every rank alike)."""
+
+    @classmethod
+    def info_lines(cls, live: bool) -> list:
+        """Lines for ``mcrdl info`` (``live``: in this job): what the backend
+        compiled and loaded, building it now if it has a compiled part."""
+        return []
 
     def unsupported(self, op: str, dtype: torch.dtype, reduce_op: Optional[ReduceOp],
                     device: str) -> Optional[str]:

@@ -311,6 +311,14 @@ class MPIBackend(Backend):
         if "cuda" in self.devices:
             self.order_after_streams()
 
+    @classmethod
+    def info_lines(cls, live):
+        if not live:
+            return []
+        aware, how = cuda_support()
+        return [f"MPI hot path: {native_path.status()}",
+                f"MPI takes CUDA memory: {'yes' if aware else 'no'} ({how})"]
+
     def version(self) -> str:
         return library_name(self.MPI)
 

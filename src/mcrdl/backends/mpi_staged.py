@@ -70,6 +70,10 @@ class StagedMPIBackend(MPIBackend):
     direct_cuda = False
 
     @classmethod
+    def info_lines(cls, live):
+        return []  # (the mpi backend's)
+
+    @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
         reason = super().unavailable_reason(ctx)
         if reason is None and not torch.cuda.is_available():

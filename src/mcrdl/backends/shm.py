@@ -176,16 +176,19 @@ class ShmBackend(Backend):
             return "this CPU has no AVX2, which the library's float32 kernel needs"
         return None
 
+    @classmethod
+    def info_lines(cls, live):
+        try:
+            level = load().vector_kernel_level()
+            return [f"shm kernels: compiled ({_target(deepspeed_sources())}), "
+                    f"{'float32, bfloat16, float16' if level >= 2 else 'float32'} on this CPU"]
+        except Exception as exc:
+            return [f"shm kernels: not available: {exc}"]
+
     def __init__(self, ctx: Context):
         super().__init__(ctx)
         self.lib = load()
         self.level = self.lib.vector_kernel_level()
-        token = secrets.token_hex(8) if ctx.rank == 0 else None
-        peers = ctx.share((_host(), os.getpid(), token))
-        if len({host for host, _, _ in peers}) > 1:
-            raise BackendUnavailable("the job's ranks do not share one host's /dev/shm")
-        self.pids = [pid for _, pid, _ in peers]
-        self._names = f"mcrdl-{peers[0][2]}", str(self.pids[0])  # the segments' job and tag
         self.timeout = ctx.timeout
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._given = self._finished = 0  # ops handed to the worker (by callers), done by it
@@ -193,6 +196,14 @@ class ShmBackend(Backend):
         self._started = self._ended = 0  # ops that entered / left the library on this rank
         self._stopped = threading.Event()
         self._ready = False  # (_set_up runs at this runtime's first op)
+
+    def join(self) -> None:
+        token = secrets.token_hex(8) if self.ctx.rank == 0 else None
+        peers = self.ctx.share((_host(), os.getpid(), token))
+        if len({host for host, _, _ in peers}) > 1:
+            raise BackendUnavailable("the job's ranks do not share one host's /dev/shm")
+        self.pids = [pid for _, pid, _ in peers]
+        self._names = f"mcrdl-{peers[0][2]}", str(self.pids[0])  # the segments' job and tag
 
     def _set_up(self, tensor: torch.Tensor) -> None:
         """The first op of the job's first runtime: the library maps every
