@@ -98,6 +98,20 @@ def test_dlrm_modes_agree_and_mix(tmp_path, table):
     assert used["coarse"] == {"mpi", "gloo"} and used["tuned"] == {"mpi", "gloo"}, used
 
 
+def test_decode_runs_its_all_reduces_on_shm_where_the_table_says(tmp_path):
+    """Tensor-parallel decoding with a table that gives shm the all-reduces up to
+    4 KiB (its messages are 4 KiB: batch 4 x hidden 256): tuned runs them on shm,
+    the baselines on their one library, and every mode's outputs are identical
+    (a 2-rank sum is the same float on either library)."""
+    path = tmp_path / "shm.json"
+    path.write_text(json.dumps({"format": "mcrdl-tuning/1", "rules": {"all_reduce": {"2": [
+        {"max_bytes": 4096, "backend": "shm"}, {"max_bytes": None, "backend": "mpi"}]}}}))
+    doc, _ = run_workload(tmp_path, "decode", "--mode", "baseline-gloo,baseline-mpi,tuned", "--table", str(path))
+    assert_identical(doc)
+    used = backends_by_mode(doc)
+    assert used["baseline-gloo"] == {"gloo"} and used["baseline-mpi"] == {"mpi"} and used["tuned"] == {"shm"}, used
+
+
 def test_megatron_tensor_parallel_modes_agree(tmp_path, table):
     doc, _ = run_workload(tmp_path, "megatron", "--mode", MODES, "--table", table)
     assert_identical(doc)

@@ -75,6 +75,9 @@ def matrix():
 
 
 def views():
+    square = value(rank, 1000, torch.float32).view(10, 100)  # 2-D, contiguous
+    check(ran_on_shm(lambda: mcrdl.all_reduce(square)), "2-D tensor on shm")
+    check(torch.equal(square.view(-1), reduced(range(world), 1000, torch.float32, "sum")), "2-D result", square[0, :4])
     base = torch.stack([value(rank, 1000, torch.float32), torch.full((1000,), -7.0)], dim=1)  # (1000, 2)
     view = base[:, 0]  # stride 2
     check(not view.is_contiguous(), "a strided view")

@@ -48,10 +48,11 @@ void all_reduce(torch::Tensor& data)
     const int64_t element = data.element_size();
     const int64_t per_call = MAX_CALL_BYTES / element;
     const int64_t numel = data.numel();
+    torch::Tensor flat = data.view({-1});
     pybind11::gil_scoped_release no_gil;
     for (int64_t start = 0; start < numel; start += per_call) {
         int64_t count = std::min(per_call, numel - start);
-        torch::Tensor part = data.narrow(0, start, count);
+        torch::Tensor part = flat.narrow(0, start, count);
         all_reduce_outer_loop(part, count, static_cast<int>(count * element));
     }
 }

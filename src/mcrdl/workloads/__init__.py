@@ -7,6 +7,8 @@ scripts are in ``examples/workloads/`` and ``python -m mcrdl.workloads.<name>``:
 * :mod:`.dlrm`: DLRM-style recommender (sharded embeddings, all-to-all of pooled embeddings)
 * :mod:`.megatron`: tensor-parallel transformer layers (all-reduce, or reduce-scatter +
   all-gather with sequence parallelism), plus data parallelism when the world allows
+* :mod:`.decode`: tensor-parallel decoding (two all-reduces of batch x hidden per layer per
+  token, little compute between them: the case DeepSpeed's shared-memory all-reduce is for)
 * :mod:`.ddp`: unmodified ``torch.nn.parallel.DistributedDataParallel`` whose gradients
   go through mcrdl by a communication hook (:mod:`mcrdl.integrations.ddp_hook`)
 
@@ -14,4 +16,4 @@ scripts are in ``examples/workloads/`` and ``python -m mcrdl.workloads.<name>``:
 checks that every mode gives the same losses.
 """
 
-NAMES = ("moe", "dlrm", "megatron", "ddp")
+NAMES = ("moe", "dlrm", "megatron", "decode", "ddp")

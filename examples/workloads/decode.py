@@ -1,0 +1,12 @@
+"""The decode workload (docs/workloads.md):
+
+    mcrdl run -n 2 examples/workloads/decode.py --mode tuned --table T.json
+    mcrdl run -n 2 examples/workloads/decode.py --mode baseline-gloo,baseline-mpi,coarse,tuned --rounds 2
+
+Options: --help. The model, the data and the modes are in src/mcrdl/workloads/decode.py.
+"""
+import sys
+
+from mcrdl.workloads.decode import main
+
+sys.exit(main())
