@@ -27,7 +27,7 @@ $(BYTECODE): $(PACKAGES)
 	touch $@
 
 $(STAMP): $(PACKAGES)
-	$(BIN)/mcrdl info  # builds the compiled hot path once (docs/design.md, "The hot path")
+	$(BIN)/mcrdl info  # builds the compiled hot path and the shm kernels once (docs/design.md, docs/backends.md)
 	touch $@
 
 # tests/test_frameworks.py copies it into each session's own TORCH_EXTENSIONS_DIR
