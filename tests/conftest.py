@@ -249,6 +249,20 @@ def run_job_rc(nprocs, script, *args, timeout=300, env=None, launcher="mpiexec")
     return out, proc.returncode
 
 
+_LIBRARIES: list = []
+
+
+def cpu_libraries() -> list:
+    """The libraries live for CPU tensors in a 2-rank job on this machine, in
+    registry order (tests/jobs/live_job.py)."""
+    if not _LIBRARIES:
+        out = run_job(2, "live_job.py", timeout=120)
+        _LIBRARIES.extend(next(line for line in out.splitlines()
+                               if line.startswith("live on cpu: ")).split(": ", 1)[1].split(","))
+        assert {"mpi", "gloo"} <= set(_LIBRARIES), out
+    return list(_LIBRARIES)
+
+
 #: how long a command may run on after the line that says its work is done (run_or_dump)
 HUNG_AFTER_S = 20
 

@@ -16,26 +16,32 @@ import mpi4py
 import pytest
 import torch
 
-from mcrdl import bench, tune
-from mcrdl.tuning import TuningTable
+from mcrdl import bench, demo, tune
+from mcrdl.backends import REGISTRY
+from mcrdl.tuning import CLASS_METHODS, TuningTable
 
-from conftest import JOBS, run_job
+from conftest import JOBS, cpu_libraries, run_job
 
 pytestmark = pytest.mark.usefixtures("forked_ranks")  # (conftest)
 
 ROOT = Path(__file__).parents[1]
 OPS = ["all_reduce", "all_to_all"]
-VARIANTS = ["mpi", "gloo", "shm", "mcrdl", "raw-mpi", "raw-gloo"]
-NARROW = {"shm": ("all_reduce",)}  # variants for some ops only (their library has no other)
+#: the libraries live here (registry order) and the bench's variants: each, mcrdl, the raw baselines
+LIVE = cpu_libraries()
+VARIANTS = LIVE + ["mcrdl", "raw-mpi", "raw-gloo"]
+
+
+def has(variant, op):
+    """Does ``variant`` run bench op ``op`` (a narrow library has only some)?"""
+    return variant not in REGISTRY or CLASS_METHODS["all_to_all" if op == "all_to_allv" else op] <= REGISTRY[variant].ops
 
 
 def cells(ops, sizes=2):
     """Results of a sweep of ``ops`` at ``sizes`` sizes: every variant that has the op."""
-    return sum(sizes for op in ops for v in VARIANTS if op in NARROW.get(v, (op,)))
+    return sum(sizes for op in ops for v in VARIANTS if has(v, op))
 TINY = ["--ops", ",".join(OPS), "--sizes", "4,64K", "--iters", "5", "--large-iters", "2",
         "--rounds", "2", "--warmup", "1"]
-KNOWN = ["mpi", "gloo", "nccl"]
-LIVE = ["mpi", "gloo"]
+KNOWN = list(REGISTRY)
 
 
 def mcrdl_cli(*args, timeout=180):
@@ -111,7 +117,7 @@ def test_bench_every_op_and_size_has_every_variant(bench_doc):
     assert sorted(seen) == [("all_reduce", 4), ("all_reduce", 65536),
                             ("all_to_all", 8), ("all_to_all", 65536)]
     for key, variants in seen.items():
-        want = [v for v in VARIANTS if key[0] in NARROW.get(v, (key[0],))]
+        want = [v for v in VARIANTS if has(v, key[0])]
         assert sorted(variants) == sorted(want), key
 
 
@@ -245,7 +251,7 @@ def test_tune_prints_crossovers_and_speedups(tune_run):
     for op in OPS:
         line = next(l for l in after.splitlines() if l.strip().startswith(op))
         for b in LIVE:
-            assert f"vs {b}: " in line and "x / " in line, line
+            assert (f"vs {b}: " in line and "x / " in line) == has(b, op), line
 
 
 def test_tune_plots_shade_the_table(tune_run):
@@ -542,10 +548,10 @@ def test_autotune_benchmark_records_both_conditions(tmp_path):
     doc = json.loads((tmp_path / "autotune.json").read_text())
     assert set(doc["conditions"]) == {"idle", "one core busy"}
     for rows in doc["conditions"].values():
-        assert {r["workload"] for r in rows} == {"moe", "dlrm", "megatron", "megatron-sp", "ddp"}
+        assert {r["workload"] for r in rows} == set(demo.WORKLOADS)
         for r in rows:
             assert r["exploring_after_warmup"] == 0 and r["autotuned"] > 0 and r["tuned"] > 0, r
-            assert all(b["winner"] in ("mpi", "gloo") for b in r["buckets_learned"] if b["op"] != "barrier"), r
+            assert all(b["winner"] in LIVE for b in r["buckets_learned"] if b["op"] != "barrier"), r
     for condition in ("idle", "loaded"):  # (--no-variants: ddp runs only the benchmark's modes)
         ddp = json.loads((tmp_path / "runs" / condition / "ddp.json").read_text())
         assert set(ddp["summary"]) == {"baseline-gloo", "baseline-mpi", "tuned", "autotuned"}, ddp["summary"].keys()
@@ -582,8 +588,8 @@ def test_drift_benchmark_records_every_job(tmp_path):
     for r in runs:
         assert r["before_ms"] > 0 and r["after_ms"] > 0 and (r["b2b_4B_us"] is None) == r["load"], r
         # (a bucket the check opened again late in the run may still be exploring)
-        assert set(r["winners"].values()) <= ({"mpi", "gloo", None} if r["drift"] else {"mpi", "gloo"}), r
-        assert all(e["was"] in ("mpi", "gloo") for e in r["reopened"]) and (r["drift"] or not r["reopened"]), r
+        assert set(r["winners"].values()) <= ({*LIVE, None} if r["drift"] else set(LIVE)), r
+        assert all(e["was"] in LIVE for e in r["reopened"]) and (r["drift"] or not r["reopened"]), r
 
 
 # -- benchmarks/percall/pairs_median.py -------------------------------------------------------------

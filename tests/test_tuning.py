@@ -524,6 +524,20 @@ def test_v2_errors_name_the_device_level(rules, key, words):
     assert f"t.json: {key}: " in str(err.value) and words in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("op", ["all_to_all", "broadcast", "p2p"])
+def test_a_rule_naming_a_backend_for_an_op_it_lacks_is_refused(op):
+    """shm has only all_reduce: a table sending it anything else is an error at
+    load, naming the rule (it would otherwise warn nothing and fall through)."""
+    from mcrdl.backends import REGISTRY
+
+    rules = {"cpu": {op: {"2": [{"max_bytes": 64, "backend": "shm"}, {"max_bytes": None, "backend": "mpi"}]}}}
+    with pytest.raises(TuningTableError, match=rf"t.json: rules.cpu.{op}.2\[0\].backend: backend 'shm' has no "
+                                               rf"{op} \(it has all_reduce\)"):
+        TuningTable.from_dict({"format": FORMAT, "rules": rules}, REGISTRY, source="t.json")
+    rules["cpu"]["all_reduce"] = rules["cpu"].pop(op)
+    assert TuningTable.from_dict({"format": FORMAT, "rules": rules}, REGISTRY).lookup("all_reduce", 2, 8) == "shm"
+
+
 def test_named_backends_both_formats():
     from mcrdl.tuning import named_backends
 

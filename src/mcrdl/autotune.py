@@ -76,7 +76,7 @@ import time
 from typing import Optional
 
 from . import settings
-from .tuning import FORMAT, OP_CLASS
+from .tuning import CLASS_METHODS, FORMAT, OP_CLASS
 from .work import DONE
 
 #: Classes explored (collectives, whose members call in the same order).
@@ -243,7 +243,7 @@ class Autotuner:
         if b is None:
             if not g.tuned:
                 self.groups.append((g.name, g.size, g.tuned))
-            b = g.tuned[key] = Bucket(self._candidates(cls, g.size, device, key[2]))
+            b = g.tuned[key] = Bucket(self._candidates(cls, g.size, device, key[2], g.declined))
         owner = g.trying
         if owner is not None and owner is not b and self._stalled(g, owner):
             self._abandon(g, owner)
@@ -355,14 +355,18 @@ class Autotuner:
         b.how = f"exploring again: latency doubled on a member (drift check {len(b.reopened)})"
         g.starters.clear()  # plans are kept only for frozen buckets
 
-    def _candidates(self, cls: str, size: int, device: str, bkt: int) -> tuple[str, ...]:
+    def _candidates(self, cls: str, size: int, device: str, bkt: int, declined: tuple) -> tuple[str, ...]:
+        """The live backends that have this op class on ``device`` and serve the
+        group, the table's (or default) choice first."""
         sel = self.selector
         seed = None
         if sel.table is not None:
             seed = sel.table.lookup(cls, size, bucket_bounds(bkt)[0], device)
         if seed is None:
             seed = sel.device_defaults.get(device, sel.default)
-        live = sorted(n for n, be in sel.live.items() if device in be.devices)  # one order on every rank
+        refused = {n for n, _ in declined}
+        live = sorted(n for n, be in sel.live.items()  # one order on every rank
+                      if device in be.devices and CLASS_METHODS[cls] <= be.ops and n not in refused)
         return tuple(dict.fromkeys(([seed] if seed in live else []) + live))
 
     def _agree(self, rt, g, b: Bucket) -> None:

@@ -302,7 +302,7 @@ class Bench:
         self.iters, self.large_iters, self.warmup, self.rounds = iters, large_iters, warmup, rounds
         self.do_check = check
         self.progress = progress
-        self.harness = "mpi" if api.available_backends().get("mpi") == "live" else api.get_default_backend()
+        self.harness = api.current_runtime().control_backend  # (MPI where it is live)
         if any(v == "raw-gloo" for v in self.variants):
             self._init_raw_gloo()
 

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 import torch
 
 from .autotune import Autotuner
-from .backends import REGISTRY, Backend, BackendUnavailable, Context
+from .backends import OPS, REGISTRY, Backend, BackendUnavailable, Context
 from . import pmi, rendezvous, settings
 from .backends.mpi import init_launched, library_name
 from .rank_env import mpi_launched
@@ -162,11 +162,11 @@ class Runtime:
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
 
     # (facts.cpp's drive reads debug, engine, observer and world at their slots' offsets)
-    __slots__ = ("_abort_at_exit", "_failing_alike", "_group_count", "autotune", "backends", "ctx", "debug",
-                 "default_backend", "dying", "engine", "groups", "health", "local_cpus", "local_rank", "local_size",
-                 "logger", "mpi_comm", "mpi_missing", "observer", "rank", "recorder", "selector", "shared_gpu",
-                 "store", "store_host", "timeout", "traced", "unavailable", "wait_policy", "watchdog", "world",
-                 "world_size")
+    __slots__ = ("_abort_at_exit", "_failing_alike", "_group_count", "autotune", "backends", "control_backend",
+                 "ctx", "debug", "default_backend", "dying", "engine", "groups", "health", "local_cpus",
+                 "local_rank", "local_size", "logger", "mpi_comm", "mpi_missing", "observer", "rank", "recorder",
+                 "selector", "shared_gpu", "store", "store_host", "timeout", "traced", "unavailable", "wait_policy",
+                 "watchdog", "world", "world_size")
 
     def __init__(self, backends: Optional[Iterable[str]], default_backend: Optional[str],
                  timeout: float, op_backends: Optional[Mapping[str, str]],
@@ -202,10 +202,11 @@ class Runtime:
         #: why MPI is not live though asked for (no MPI launcher, and no PMI service either)
         self.mpi_missing: Optional[str] = None
         self.store_host: Optional[int] = None  # the rank whose process serves the store (rendezvous)
+        launched = any("launcher" in REGISTRY[n].needs for n in requested)  # (MPI's communicator)
         if store is None:
-            self._launch("mpi" in requested)
+            self._launch(launched)
         else:
-            self._join(store, rank, world_size, "mpi" in requested)
+            self._join(store, rank, world_size, launched)
         self.health = self.watchdog = None
         self.backends: dict[str, Backend] = {}
         self._failing_alike = False  # a failed start that every rank raises together
@@ -223,7 +224,7 @@ class Runtime:
         #: "spin" or "yield": how waits use the CPU (MCRDL_WAIT, work.set_wait_policy)
         self.wait_policy = set_wait_policy(wait, self.local_size, self.local_cpus)
         self.unavailable: dict[str, str] = {}
-        if self.store is None and (any(n in requested for n in ("gloo", "nccl"))
+        if self.store is None and (any("store" in REGISTRY[n].needs for n in requested)
                                    or (beat > 0 and self.world_size > 1)):
             self._failing_alike = True  # make_store raises on every rank alike
             self.ensure_store()
@@ -275,13 +276,17 @@ class Runtime:
         if not self.backends:
             raise RuntimeError("mcrdl: no backend could start: " + "; ".join(
                 f"{n}: {r}" for n, r in self.unavailable.items()))
-        # for CUDA tensors NCCL unless a default was named (a CUDA-aware MPI is first in line otherwise)
-        device_defaults = {"cuda": "nccl"} if default is None and "nccl" in self.backends else {}
+        # a device's own library (CUDA: NCCL) unless a default was named (else the first live one)
+        device_defaults = {} if default is not None else {
+            d: n for n, b in reversed(self.backends.items()) for d in b.default_for}
         default = default or next(iter(self.backends))
         if default not in self.backends:
             raise ValueError(f"default backend {default!r} is not live (live: {', '.join(self.backends)}"
                              + "".join(f"; {n}: {r}" for n, r in self.unavailable.items()) + ")")
         self.default_backend = default
+        #: the backend of the runtime's own small collectives (agreements, the logger's exchange)
+        self.control_backend = next((n for n, b in self.backends.items() if "cpu" in b.devices
+                                     and b.ops == frozenset(OPS)), default)
         if table is not None:  # again, now that we know which backends are live
             table = TuningTable.from_dict(table.to_dict(), REGISTRY, self.backends, table.source)
         self.selector = Selector(self.backends, default, op_backends, table, device_defaults)
@@ -498,10 +503,10 @@ class Runtime:
 
     # -- control collectives (agreement, fingerprints, the logger's exchange) ----------
     def _control(self, g: Group, start, what: str) -> None:
-        """Run a small blocking collective on the control backend (MPI if live,
-        else the first CPU backend), not logged and not fingerprinted."""
-        name = "mpi" if "mpi" in self.backends else next(
-            n for n, b in self.backends.items() if "cpu" in b.devices)
+        """Run a small blocking collective on the control backend (the first live
+        one, in registry order, with every op on CPU tensors: MPI where it is live),
+        not logged and not fingerprinted."""
+        name = self.control_backend
         pending = start(self.backends[name], g.handles[name])
         self.engine.run(what, name, pending, (), (), (), g, (), False)
 

@@ -170,7 +170,9 @@ class TuningTable:
         """Validate a parsed table (either format). ``known``: registered backend
         names (others are an error); ``live``: backends running in this job
         (rules naming a known but absent backend warn and fall back to the
-        selector's next choice)."""
+        selector's next choice). Where ``known`` maps names to backend classes
+        (the registry), a rule naming a backend for an op it lacks is an error."""
+        has = {n: b.ops for n, b in known.items()} if isinstance(known, dict) else {}
         known = set(known)
         live = known if live is None else set(live)
 
@@ -192,7 +194,7 @@ class TuningTable:
         if doc["format"] == FORMAT_V1:
             if not isinstance(raw, dict):
                 fail("rules", "expected an object mapping op names to group sizes")
-            rules = {"cpu": _check_ops(raw, "rules", known, live, absent, fail)} if raw else {}
+            rules = {"cpu": _check_ops(raw, "rules", known, has, live, absent, fail)} if raw else {}
         else:
             if not isinstance(raw, dict):
                 fail("rules", f"expected an object mapping device types ({', '.join(DEVICES)}) to ops")
@@ -204,7 +206,7 @@ class TuningTable:
                     fail(f"rules.{device}", f"unknown device type (expected one of {', '.join(DEVICES)}){hint}")
                 if not isinstance(by_op, dict):
                     fail(f"rules.{device}", "expected an object mapping op names to group sizes")
-                rules[device] = _check_ops(by_op, f"rules.{device}", known, live, absent, fail)
+                rules[device] = _check_ops(by_op, f"rules.{device}", known, has, live, absent, fail)
         if absent:
             warnings.warn(f"{source}: backends {sorted(absent)} are not live in this job; their "
                           "rules fall back to the static map / default backend", stacklevel=3)
@@ -289,9 +291,10 @@ class TuningTable:
             f.write("\n")
 
 
-def _check_ops(raw: dict, where: str, known: set, live: set, absent: set, fail) -> Rules:
+def _check_ops(raw: dict, where: str, known: set, has: dict, live: set, absent: set, fail) -> Rules:
     """One device's rules, validated: op -> group size -> rules, a backend that
-    is known but not live written as None (and added to ``absent``)."""
+    is known but not live written as None (and added to ``absent``); ``has``:
+    each backend's ops, where known."""
     rules: Rules = {}
     for op, by_size in raw.items():
         at_op = f"{where}.{op}"
@@ -335,6 +338,8 @@ def _check_ops(raw: dict, where: str, known: set, live: set, absent: set, fail) 
                     prev = mb
                 if not isinstance(be, str) or be not in known:
                     fail(f"{at}.backend", f"unknown backend {shown(be)} (known: {', '.join(sorted(known))})")
+                if be in has and not CLASS_METHODS[op] <= has[be]:
+                    fail(f"{at}.backend", f"backend {be!r} has no {op} (it has {', '.join(sorted(has[be]))})")
                 if "margin" in rule and not is_number(rule["margin"]):
                     fail(f"{at}.margin", f"expected a finite number, got {shown(rule['margin'])}")
                 if "note" in rule and not isinstance(rule["note"], str):

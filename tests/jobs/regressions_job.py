@@ -359,7 +359,8 @@ def released():
             mcrdl.broadcast(torch.ones(4), 0, group=g, backend=backend)
     held = [mcrdl.api.current_runtime().world, world_group]  # as ProcessGroupMCRDL holds its group
     refs = {f"{g.name}/{name}": weakref.ref(g.handles[name])
-            for g in held for name in g.handles if name != "mpi"}  # (mpi4py Comms take no weakref)
+            for g in held for name in g.handles
+            if name != "mpi" and g.handles[name] is not None}  # (mpi4py Comms take no weakref; shm has none)
     check(any("gloo" in k for k in refs), "no gloo handle to watch", refs)
     mcrdl.destroy_process_group()
     gc.collect()

@@ -78,6 +78,11 @@ class Backend:
     devices: frozenset = frozenset({"cpu"})
     #: The ops of :data:`OPS` it has (the others fall through to the next library).
     ops: frozenset = frozenset(OPS)
+    #: What the job must provide before it starts: ``"launcher"`` (an MPI
+    #: communicator: MPI, or PMI, launched the ranks), ``"store"`` (a rendezvous store).
+    needs: frozenset = frozenset()
+    #: Device types whose ops it runs when no default backend is named (NCCL: cuda).
+    default_for: frozenset = frozenset()
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:

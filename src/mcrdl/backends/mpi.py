@@ -263,6 +263,7 @@ class _Failed(Pending):
 
 class MPIBackend(Backend):
     name = "mpi"
+    needs = frozenset({"launcher"})
     #: CUDA tensors go to a CUDA-aware MPI as they are (False: a subclass moves them itself)
     direct_cuda = True
 

@@ -190,6 +190,7 @@ class OrderedPending(TorchPending):
 class TorchBackend(Backend):
     """A torch.distributed process-group library; subclasses name it."""
 
+    needs = frozenset({"store"})
     #: the library orders an op's results on the caller's stream by itself (NCCL)
     stream_ordered = False
     #: a send or receive of no elements moves one element of its dtype instead, on
@@ -336,7 +337,7 @@ class GlooBackend(TorchBackend):
 
 class NCCLBackend(TorchBackend):
     name = "nccl"
-    devices = frozenset({"cuda"})
+    devices = default_for = frozenset({"cuda"})
     stream_ordered = True
 
     @classmethod
