@@ -8,6 +8,7 @@ PACKAGES := $(VENV)/.packages
 BYTECODE := $(VENV)/.bytecode
 STAMP := $(VENV)/.installed
 DS_OP := $(VENV)/torch_extensions/.built
+ONECCL := $(VENV)/.oneccl
 MAKEFLAGS += -j2
 
 .PHONY: demo test clean
@@ -26,7 +27,13 @@ $(BYTECODE): $(PACKAGES)
 	  echo "some files did not compile (as pip would skip them): $(VENV)/compileall.log"
 	touch $@
 
-$(STAMP): $(PACKAGES)
+# Intel oneCCL for the ccl backend, from PyPI (scripts/install_oneccl.sh says how); a
+# failure stops make here, and without it the backend says why it is not live
+$(ONECCL): $(PACKAGES) scripts/install_oneccl.sh
+	bash scripts/install_oneccl.sh $(VENV)
+	touch $@
+
+$(STAMP): $(PACKAGES) $(ONECCL)
 	$(BIN)/mcrdl info  # builds the compiled hot path and the shm kernels once (docs/design.md, docs/backends.md)
 	touch $@
 
@@ -36,11 +43,11 @@ $(DS_OP): $(PACKAGES)
 	  "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
 	touch $@
 
-demo: $(STAMP) $(BYTECODE)
+demo: $(STAMP) $(BYTECODE) $(ONECCL)
 	$(BIN)/mcrdl info
 	$(BIN)/mcrdl demo
 
-test: $(STAMP) $(BYTECODE) $(DS_OP)
+test: $(STAMP) $(BYTECODE) $(DS_OP) $(ONECCL)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -ra --durations=25 tests
 
 clean:

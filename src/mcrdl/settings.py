@@ -62,6 +62,12 @@ SETTINGS = {s.name: s for s in (
             "runs as an all-to-all and a local reduction (default: a band on MPICH)", accepts="LO:HI or off"),
     Setting("MCRDL_WAIT", "text", "auto", "how waits use the CPU: busy-poll, give the CPU up, or spin when the "
             "host's ranks fit its cores", accepts="spin, yield or auto"),
+    # the ccl backend (oneCCL)
+    Setting("MCRDL_CCL_LIB", "text", None, "the folder holding oneCCL's libccl.so.1, libccl.so.2 and "
+            "libccl_legacy_cpu.so (default: the virtualenv's `lib`, where scripts/install_oneccl.sh puts "
+            "them)", accepts="a directory"),
+    Setting("MCRDL_CCL_LIBFABRIC", "text", None, "the libfabric.so.1 oneCCL uses (default: the one in the "
+            "`mpich` wheel)", accepts="a path"),
     # launching
     Setting("MCRDL_RANK_PYTHON", "text", None, "the command `mcrdl run` (and bench, tune, demo) runs each rank's "
             "Python program (`x.py`, `-m mod`) under, split as a shell would: an interpreter, or a wrapper "

@@ -6,6 +6,7 @@ its own module and calling :func:`register_backend` (see docs/backends.md).
 from __future__ import annotations
 
 from .base import OPS, Backend, BackendUnavailable, Context
+from .ccl import CclBackend
 from .mpi import MPIBackend
 from .mpi_staged import StagedMPIBackend
 from .shm import ShmBackend
@@ -23,8 +24,9 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-# CUDA without NCCL: staged before gloo; the narrow shm last (never the fallback)
-for _cls in (MPIBackend, NCCLBackend, StagedMPIBackend, GlooBackend, ShmBackend):
+# CUDA without NCCL: staged before gloo; the narrower ccl and shm after gloo (never the
+# fallback while mpi or gloo is live, and ccl loads nothing until a group's first ccl op)
+for _cls in (MPIBackend, NCCLBackend, StagedMPIBackend, GlooBackend, CclBackend, ShmBackend):
     register_backend(_cls)
 
 __all__ = ["OPS", "REGISTRY", "Backend", "BackendUnavailable", "Context", "register_backend"]
