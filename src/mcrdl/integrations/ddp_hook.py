@@ -28,7 +28,7 @@ Hooks (``hook(state, bucket) -> torch.futures.Future[Tensor]``):
   than :func:`mcrdl_allreduce_hook` (MPI progresses only at hook calls), and
   no thread competing for the GIL and the cores. With a thread per future it
   was the faster of the two on this 2-core host; with one futures thread they
-  are within noise (docs/results/ddp_futures_vs_2e90c62.txt). Same result.
+  are within noise (the A/B: `git show 8d9f88a:docs/results/ddp_futures_vs_2e90c62.txt`). Same result.
 * :func:`mcrdl_fused_allreduce_hook` — fusion *across* buckets (tensor fusion,
   ``mcrdl.features.fusion.all_reduce_coalesced``): buckets are held until the
   last one is ready, then all go out in as few fused all-reduces as the fusion
