@@ -22,15 +22,18 @@ def segments() -> set:
             if f.startswith(f"{shm.SEGMENT_PREFIX}_{os.getuid()}_mcrdl-")}
 
 
-@pytest.mark.parametrize("nprocs,launcher", [(2, "mpiexec"), (4, "mpiexec"), (2, "torchrun")])
-def test_what_shm_serves_runs_there_and_the_rest_falls_through(nprocs, launcher):
+@pytest.mark.parametrize("nprocs,launcher,native", [(2, "mpiexec", "1"), (4, "mpiexec", "1"), (2, "torchrun", "1"),
+                                                    (2, "mpiexec", "0")])
+def test_what_shm_serves_runs_there_and_the_rest_falls_through(nprocs, launcher, native):
     """Every dtype x reduction x size x sync/async x group through a table that
     prefers shm: float32/bf16/fp16 sums (and AVG) on the world run on it, all
     else on the next library; every result equals the local reference; a
     64 MB MPI message outstanding across it does not deadlock (hazard 1); an
-    MPI op after an async shm one waits for it (hazard 3); no segment is left."""
+    MPI op after an async shm one waits for it (hazard 3); no segment is left.
+    Compiled, drive() starts the blocking plans' starter (shm_native.cpp) itself;
+    MCRDL_NATIVE=0, Python calls it."""
     before = segments()
-    out = run_job(nprocs, "shm_job.py", timeout=600, launcher=launcher)
+    out = run_job(nprocs, "shm_job.py", timeout=600, launcher=launcher, env={"MCRDL_NATIVE": native})
     out.require(["matrix finished", "views finished", "narrow finished", "mixed finished",
                  "files finished"], range(nprocs))
     assert segments() <= before

@@ -7,8 +7,9 @@
 // ranges() is the exception: it reads any strided tensor with storage (the
 // memory an async op touches, for the order check), CUDA ones too.
 // drive() is ops.run's compiled twin for the calls that run from a plan; it
-// starts the compiled MPI starters (adopt()) itself, and an async call's Work
-// is made (track) and, on MPI, waited for (finished) here too.
+// starts any backend's compiled starters (adopt_starter(); MPI's by adopt())
+// itself, and an async call's Work is made (track) and, on MPI, waited for
+// (finished) here too.
 // Beats is the watchdog's heartbeat (watchdog.py), sent from a thread that never
 // takes the GIL; RLock is the engine's lock (work.py), which track() and
 // finished() take without a call.
@@ -387,11 +388,14 @@ struct Driver {
     Py_ssize_t name, recipe, at, listed, at_root, collective, split, reads, writes, last; // Op's fields
 } D;
 
-// The compiled MPI starters (backends/mpi_native.c's Starter) and their start
-// on addresses read here, set by adopt(): drive() starts them without Python.
+// Compiled starters drive() starts without Python: each backend's starter type
+// and its start on addresses read here (a PyCapsule named "<module>.start"),
+// registered by adopt_starter() (MPI's by adopt()); a plan's start of any other
+// type is called.
 typedef PyObject *(*start_fn)(PyObject *starter, void *const *addr, PyObject *const *args, Py_ssize_t n);
-PyTypeObject *starter_type = nullptr;
-start_fn starter_start = nullptr;
+constexpr int MAX_STARTERS = 8;
+struct { PyTypeObject *type; start_fn start; } starters[MAX_STARTERS];
+int n_starters = 0;
 
 PyObject *s_runtime, *s_run_op, *s_wait, *s_burst, *s_first_polls; // (TorchMethod's)
 PyObject *s_enabled, *s_order_before, *s_run, *s_retire, *s_peer;
@@ -571,13 +575,50 @@ PyObject *pick(PyObject *tensors, PyObject *at)
 // addresses read here (the plan fits the tensors: CPU, contiguous), else a call.
 PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
 {
-    if (Py_TYPE(start) != starter_type)
+    int i = 0;
+    while (i < n_starters && Py_TYPE(start) != starters[i].type)
+        i++;
+    if (i == n_starters)
         return PyObject_Vectorcall(start, argv, argc, nullptr);
     void *addr[2] = {nullptr, nullptr};
-    for (Py_ssize_t i = 0; i < 2 && i < argc; i++)
-        if (THPVariable_Check(argv[i]))
-            addr[i] = THPVariable_Unpack(argv[i]).data_ptr();
-    return starter_start(start, addr, argv, argc);
+    for (Py_ssize_t k = 0; k < 2 && k < argc; k++)
+        if (THPVariable_Check(argv[k]))
+            addr[k] = THPVariable_Unpack(argv[k]).data_ptr();
+    return starters[i].start(start, addr, argv, argc);
+}
+
+// Register ``type``'s start (a capsule named "<module>.start"); false with an error.
+bool add_starter(PyObject *type, PyObject *capsule)
+{
+    const char *name = PyCapsule_GetName(capsule);
+    size_t len = name == nullptr ? 0 : strlen(name);
+    if (!PyType_Check(type) || len < 6 || strcmp(name + len - 6, ".start") != 0) {
+        PyErr_SetString(PyExc_TypeError, "adopt_starter: a starter type and its capsule named '<module>.start'");
+        return false;
+    }
+    void *fn = PyCapsule_GetPointer(capsule, name);
+    if (fn == nullptr)
+        return false;
+    for (int i = 0; i < n_starters; i++)
+        if (starters[i].type == reinterpret_cast<PyTypeObject *>(type)) {
+            starters[i].start = reinterpret_cast<start_fn>(fn);
+            return true;
+        }
+    if (n_starters == MAX_STARTERS) {
+        PyErr_SetString(PyExc_RuntimeError, "adopt_starter: too many starter types");
+        return false;
+    }
+    Py_INCREF(type);  // (kept for the process's life, as the module is)
+    starters[n_starters++] = {reinterpret_cast<PyTypeObject *>(type), reinterpret_cast<start_fn>(fn)};
+    return true;
+}
+
+// adopt_starter(type, capsule): a backend's compiled starter, which drive() starts directly.
+PyObject *adopt_starter(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs("adopt_starter", n, 2) || !add_starter(args[0], args[1]))
+        return nullptr;
+    Py_RETURN_NONE;
 }
 
 // ---------------------------------------------------------------- the engine's lock
@@ -1379,8 +1420,7 @@ PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
     if (!nargs("adopt", n, 5))
         return nullptr;
-    void *fn = PyCapsule_GetPointer(args[1], "mcrdl_mpi_native.start");
-    if (fn == nullptr)
+    if (PyCapsule_GetPointer(args[1], "mcrdl_mpi_native.start") == nullptr)
         return nullptr;
     if (!PyType_Check(args[0]) || !PyType_Check(args[2]) || !PyType_Check(args[3]) || !PyFrozenSet_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError, "adopt: the Starter type, its start capsule, the Request and Work types "
@@ -1408,10 +1448,10 @@ PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
     if ((w.empty = W.empty != nullptr ? W.empty : PyTuple_New(0)) == nullptr)
         return nullptr;
     // (each kept for the process's life, as the module is)
-    for (int i : {0, 2, 3, 4})
+    if (!add_starter(args[0], args[1]))
+        return nullptr;
+    for (int i : {2, 3, 4})
         Py_INCREF(args[i]);
-    starter_type = reinterpret_cast<PyTypeObject *>(args[0]);
-    starter_start = reinterpret_cast<start_fn>(fn);
     w.request = reinterpret_cast<PyTypeObject *>(args[2]);
     w.type = work;
     w.receives = args[4];
@@ -1984,6 +2024,8 @@ PyMethodDef methods[] = {
     {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(setup)), METH_FASTCALL, nullptr},
     {"finished", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(finished)), METH_FASTCALL, nullptr},
     {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(adopt)), METH_FASTCALL, nullptr},
+    {"adopt_starter", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(adopt_starter)), METH_FASTCALL,
+     nullptr},
     {"pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pair)), METH_FASTCALL, nullptr},
     {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL, nullptr},
     {"ranges", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ranges)), METH_FASTCALL, nullptr},

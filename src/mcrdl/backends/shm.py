@@ -45,7 +45,7 @@ from typing import Optional
 
 import torch
 
-from .. import compiled
+from .. import compiled, facts
 from ..types import ReduceOp
 from ..work import DONE, Pending
 from .base import Backend, BackendUnavailable, Context
@@ -191,11 +191,12 @@ class ShmBackend(Backend):
         self.level = self.lib.vector_kernel_level()
         self.timeout = ctx.timeout
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._given = self._finished = 0  # ops handed to the worker (by callers), done by it
         self._worker: Optional[threading.Thread] = None
-        self._started = self._ended = 0  # ops that entered / left the library on this rank
         self._stopped = threading.Event()
         self._ready = False  # (_set_up runs at this runtime's first op)
+        checks = facts.load()
+        if checks is not facts:  # the compiled driver starts the blocking fast path's starter itself
+            checks.adopt_starter(self.lib.Starter, self.lib.start)
 
     def join(self) -> None:
         token = secrets.token_hex(8) if self.ctx.rank == 0 else None
@@ -213,15 +214,14 @@ class ShmBackend(Backend):
         global _SET_UP
         threading.Thread(target=self._watch, daemon=True, name="mcrdl-shm-sentinel").start()
         job, tag = self._names
-        self._started += 1
         if _SET_UP is None:
             self.lib.initialize(self.ctx.world_size, self.ctx.rank, job, tag)
             _SET_UP = (self.ctx.world_size, self.ctx.rank)
             self.lib.all_reduce(tensor)
             os.unlink(f"/dev/shm/{SEGMENT_PREFIX}_{os.getuid()}_{job}_{tag}_{self.ctx.rank}")
+            self.lib.mark_ready()
         else:
             self.lib.all_reduce(tensor)
-        self._ended = self._started
         self._ready = True
 
     def version(self) -> str:
@@ -251,9 +251,7 @@ class ShmBackend(Backend):
     def _run(self, tensor: torch.Tensor) -> None:
         if not self._ready:
             return self._set_up(tensor)
-        self._started += 1  # (the sentinel watches these two counts)
         self.lib.all_reduce(tensor)
-        self._ended = self._started
 
     def _work(self) -> None:
         while True:
@@ -265,7 +263,7 @@ class ShmBackend(Backend):
                 self._run(tensor)
             except BaseException as exc:
                 pending.error = exc
-            self._finished += 1
+            self.lib.queue(-1)
             pending.done.set()
 
     def _submit(self, tensor: torch.Tensor) -> ShmPending:
@@ -273,7 +271,7 @@ class ShmBackend(Backend):
             self._worker = threading.Thread(target=self._work, daemon=True, name="mcrdl-shm")
             self._worker.start()
         pending = ShmPending()
-        self._given += 1
+        self.lib.queue(1)
         self._queue.put((tensor, pending))
         return pending
 
@@ -283,15 +281,15 @@ class ShmBackend(Backend):
         first), or a peer's process gone while one is, ends this process."""
         seen, since = 0, 0.0
         while not self._stopped.wait(SENTINEL_S):
-            started = self._started
-            if started == self._ended:
+            started, ended = self.lib.counts()
+            if started == ended:
                 continue
             now = time.monotonic()
             if started != seen:
                 seen, since = started, now
             dead = [r for r, pid in enumerate(self.pids) if r != self.ctx.rank and _gone(pid)]
             late = now - since > self.timeout + GRACE_S
-            if (dead or late) and self._started == started != self._ended:
+            if (dead or late) and self.lib.counts() == (started, ended):
                 why = (f"rank(s) {dead} ended" if dead else
                        f"it ran past the world's timeout of {self.timeout:g} s")
                 sys.stderr.write(f"mcrdl: rank {self.ctx.rank}: all_reduce #{started} on backend 'shm' cannot "
@@ -304,18 +302,19 @@ class ShmBackend(Backend):
         return self._submit(tensor)
 
     def starter(self, op, h, timeout, tensors, *fixed):
-        """A blocking call with nothing queued runs here (the fast paths start
-        one only when no work is outstanding); the rest queue on the worker."""
+        """A blocking call with nothing queued runs on the caller's thread, in
+        the compiled starter (``shm_native.cpp``, which drive() starts without
+        Python) once the job's first op is done; the rest queue on the worker."""
         if timeout <= 0:  # async
             return self._submit
-        run, submit = self._run, self._submit
+        return self.lib.starter(self._inline, DONE)
 
-        def start(t):
-            if self._given != self._finished:  # behind the worker's ops, in issue order
-                return submit(t)
-            run(t)
-            return DONE
-        return start
+    def _inline(self, t: torch.Tensor):
+        """The starter's fallback: the first op, or one behind the worker's (in issue order)."""
+        if self.lib.queue(0):
+            return self._submit(t)
+        self._run(t)
+        return DONE
 
     def shutdown(self) -> None:
         self._stopped.set()

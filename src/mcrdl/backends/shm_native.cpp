@@ -10,7 +10,10 @@
 //
 // Covered by tests/test_shm.py (every case the backend serves against local
 // references, and what it must refuse).
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
+
+#include <atomic>
 
 #include "shm.h"
 
@@ -18,6 +21,9 @@ namespace {
 
 int initialized_size = -1;
 int initialized_rank = -1;
+bool ready = false;                        // mark_ready(): the job's first op is done, segments unlinked
+std::atomic<long> started{0}, ended{0};    // ops that entered / left the library (the sentinel reads them)
+std::atomic<long> queued{0};               // ops handed to the backend's worker thread, not finished
 
 // Chunks of at most 1 GiB: all_reduce_outer_loop takes the byte count as an int.
 constexpr int64_t MAX_CALL_BYTES = int64_t(1) << 30;
@@ -38,23 +44,100 @@ void initialize(int size, int rank, const std::string& job, const std::string& t
     initialized_rank = rank;
 }
 
-void all_reduce(torch::Tensor& data)
+bool servable(const at::Tensor& data)
 {
-    TORCH_CHECK(initialized_size > 0, "shm: all_reduce before initialize");
-    TORCH_CHECK(data.device().is_cpu() && data.is_contiguous(), "shm: a contiguous CPU tensor is needed");
     auto type = data.scalar_type();
-    TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf,
-                "shm: float32, bfloat16 or float16 only, got ", type);
+    return data.device().is_cpu() && data.is_contiguous()
+           && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf);
+}
+
+// Sum ``data`` over every rank, in place; called without the GIL.
+void sum_in_place(at::Tensor& data)
+{
     const int64_t element = data.element_size();
     const int64_t per_call = MAX_CALL_BYTES / element;
     const int64_t numel = data.numel();
-    torch::Tensor flat = data.view({-1});
-    pybind11::gil_scoped_release no_gil;
-    for (int64_t start = 0; start < numel; start += per_call) {
-        int64_t count = std::min(per_call, numel - start);
-        torch::Tensor part = flat.narrow(0, start, count);
-        all_reduce_outer_loop(part, count, static_cast<int>(count * element));
+    started.fetch_add(1);
+    if (numel <= per_call) {  // one call: the kernel reads data_ptr() and the counts only
+        all_reduce_outer_loop(data, numel, static_cast<int>(numel * element));
+    } else {
+        torch::Tensor flat = data.view({-1});
+        for (int64_t start = 0; start < numel; start += per_call) {
+            int64_t count = std::min(per_call, numel - start);
+            torch::Tensor part = flat.narrow(0, start, count);
+            all_reduce_outer_loop(part, count, static_cast<int>(count * element));
+        }
     }
+    ended.store(started.load());
+}
+
+void all_reduce(torch::Tensor& data)
+{
+    TORCH_CHECK(initialized_size > 0, "shm: all_reduce before initialize");
+    TORCH_CHECK(servable(data), "shm: a contiguous CPU float32, bfloat16 or float16 tensor is needed, got ",
+                data.scalar_type());
+    pybind11::gil_scoped_release no_gil;
+    sum_in_place(data);
+}
+
+// -- the blocking fast path's starter, which facts.cpp's drive() starts without Python
+// (adopt_starter): it runs the op here when the job's first op is done and nothing is
+// queued on the worker, else calls ``fallback`` (backends/shm.py's inline start).
+struct Starter {
+    PyObject_HEAD
+    PyObject *fallback;
+    PyObject *done;  // work.DONE
+};
+
+PyObject *start(PyObject *self, void *const *, PyObject *const *args, Py_ssize_t n)
+{
+    auto *s = reinterpret_cast<Starter *>(self);
+    if (!ready || queued.load() != 0 || n != 1 || !THPVariable_Check(args[0]))
+        return PyObject_Vectorcall(s->fallback, args, n, nullptr);
+    at::Tensor data = THPVariable_Unpack(args[0]);
+    if (!servable(data))
+        return PyObject_Vectorcall(s->fallback, args, n, nullptr);
+    Py_BEGIN_ALLOW_THREADS
+    sum_in_place(data);
+    Py_END_ALLOW_THREADS
+    return Py_NewRef(s->done);
+}
+
+PyObject *starter_call(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) > 0) {
+        PyErr_SetString(PyExc_TypeError, "shm starter: no keyword arguments");
+        return nullptr;
+    }
+    return start(self, nullptr, &PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args));
+}
+
+void starter_dealloc(PyObject *self)
+{
+    auto *s = reinterpret_cast<Starter *>(self);
+    Py_XDECREF(s->fallback);
+    Py_XDECREF(s->done);
+    PyTypeObject *type = Py_TYPE(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+PyType_Slot starter_slots[] = {
+    {Py_tp_call, reinterpret_cast<void *>(starter_call)},
+    {Py_tp_dealloc, reinterpret_cast<void *>(starter_dealloc)},
+    {Py_tp_doc, const_cast<char *>("shm's blocking all_reduce: start(tensor) -> DONE (or fallback(tensor))")},
+    {0, nullptr}};
+PyType_Spec starter_spec = {"mcrdl_shm_native.Starter", sizeof(Starter), 0, Py_TPFLAGS_DEFAULT, starter_slots};
+PyObject *starter_type = nullptr;
+
+pybind11::object make_starter(pybind11::object fallback, pybind11::object done)
+{
+    auto *s = PyObject_New(Starter, reinterpret_cast<PyTypeObject *>(starter_type));
+    if (s == nullptr)
+        throw pybind11::error_already_set();
+    s->fallback = fallback.release().ptr();
+    s->done = done.release().ptr();
+    return pybind11::reinterpret_steal<pybind11::object>(reinterpret_cast<PyObject *>(s));
 }
 
 int vector_kernel_level()
@@ -73,6 +156,17 @@ int vector_kernel_level()
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     m.def("initialize", &initialize, "map every rank's segment (names: <prefix>_<job>_<tag>_<rank>)");
-    m.def("all_reduce", &all_reduce, "sum a flat tensor over every rank, in place");
+    m.def("all_reduce", &all_reduce, "sum a contiguous tensor over every rank, in place");
+    m.def("mark_ready", [] { ready = true; }, "the job's first op is done: starters may run ops themselves");
+    m.def("counts", [] { return std::make_pair(started.load(), ended.load()); }, "ops (entered, left) the library");
+    m.def("queue", [](long change) { return queued.fetch_add(change) + change; },
+          "add to the count of ops on the worker thread; returns it");
+    starter_type = PyType_FromSpec(&starter_spec);
+    if (starter_type == nullptr)
+        throw pybind11::error_already_set();
+    m.attr("Starter") = pybind11::reinterpret_borrow<pybind11::object>(starter_type);
+    m.attr("start") = pybind11::reinterpret_steal<pybind11::object>(
+        PyCapsule_New(reinterpret_cast<void *>(start), "mcrdl_shm_native.start", nullptr));
+    m.def("starter", &make_starter, "a Starter running all_reduce, calling fallback(tensor) when it cannot");
     m.def("vector_kernel_level", &vector_kernel_level, "1: fp32 kernels, 2: also bf16/fp16");
 }
