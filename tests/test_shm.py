@@ -1,6 +1,7 @@
 """The shm backend: DeepSpeed's shared-memory all-reduce as a third library
 (src/mcrdl/backends/shm.py). Jobs: tests/jobs/shm_job.py."""
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,10 +17,13 @@ from mcrdl.backends import shm
 from mcrdl.backends.base import Context
 
 
-def segments() -> set:
-    """This user's shm-backend segments in /dev/shm (DeepSpeed's prefix, mcrdl's job token)."""
-    return {f for f in os.listdir("/dev/shm")
-            if f.startswith(f"{shm.SEGMENT_PREFIX}_{os.getuid()}_mcrdl-")}
+def left_by(out: str) -> list:
+    """The segments in /dev/shm of the job whose output is ``out`` (its names, printed by
+    shm_job.py: DeepSpeed's prefix, mcrdl's job token and rank 0's pid)."""
+    infix = re.search(r"^shm segments: (\S+)$", out, re.M)
+    assert infix, out[-3000:]
+    return [f for f in os.listdir("/dev/shm")
+            if f.startswith(f"{shm.SEGMENT_PREFIX}_{os.getuid()}_") and infix.group(1) in f]
 
 
 @pytest.mark.parametrize("nprocs,launcher,native", [(2, "mpiexec", "1"), (4, "mpiexec", "1"), (2, "torchrun", "1"),
@@ -32,11 +36,10 @@ def test_what_shm_serves_runs_there_and_the_rest_falls_through(nprocs, launcher,
     MPI op after an async shm one waits for it (hazard 3); no segment is left.
     Compiled, drive() starts the blocking plans' starter (shm_native.cpp) itself;
     MCRDL_NATIVE=0, Python calls it."""
-    before = segments()
     out = run_job(nprocs, "shm_job.py", timeout=600, launcher=launcher, env={"MCRDL_NATIVE": native})
     out.require(["matrix finished", "views finished", "narrow finished", "mixed finished",
                  "files finished"], range(nprocs))
-    assert segments() <= before
+    assert not left_by(out)
 
 
 def test_two_jobs_on_one_master_port_are_both_correct():
@@ -62,13 +65,12 @@ def test_a_frozen_peer_ends_the_job_and_leaves_no_segment():
     """The library's wait cannot be withdrawn: past the world's timeout the
     sentinel ends the waiting rank with a message naming the op and backend,
     and /dev/shm holds nothing of the job afterwards."""
-    before = segments()
     began = time.monotonic()
     out, rc = run_job_rc(2, "shm_job.py", "stop", timeout=120, env={"SHM_JOB_TIMEOUT": "3"})
     assert rc != 0
     assert "on backend 'shm' cannot complete: it ran past the world's timeout of 3 s" in out, out[-3000:]
     assert time.monotonic() - began < 60
-    assert segments() <= before
+    assert not left_by(out)
 
 
 # -- in-process -------------------------------------------------------------------

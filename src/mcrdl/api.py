@@ -221,12 +221,14 @@ def get_global_rank(group: Group, group_rank: int) -> int:
 
 
 def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional[Group] = None,
-            backend: Optional[str] = None, group_size: Optional[int] = None, device: str = "cpu") -> str:
+            backend: Optional[str] = None, group_size: Optional[int] = None, device: str = "cpu",
+            async_op: bool = False) -> str:
     """Which backend would run ``op`` for this tensor (or message size in bytes), and why.
 
     For tensors the size is the op's lookup size (see docs/tuning-table.md) and
     the device theirs; for a size, ``device`` is the tensors' device type.
-    ``group_size`` asks about a group size other than ``group``'s."""
+    ``group_size`` asks about a group size other than ``group``'s; ``async_op``
+    about an async call (a library may decline those: ``Backend.async_calls``)."""
     from .tuning import DEVICES, OP_CLASS
 
     if op not in OP_CLASS:
@@ -242,7 +244,8 @@ def explain(op: str, tensor_or_nbytes: Union[torch.Tensor, int], group: Optional
             raise ValueError(f"explain: unknown device type {device!r} (expected one of {', '.join(DEVICES)})")
         nbytes, dtype = int(tensor_or_nbytes), torch.float32
     size = group_size or g.size
-    declined = g.declined if group_size in (None, g.size) else ()
+    declined = (g.declined_async if async_op and backend is None else g.declined) if group_size in (None, g.size) \
+        else ()
     name, why = rt.selector.explain(op, nbytes, size, device, dtype, explicit=backend, declined=declined)
     tuner = rt.autotune
     if tuner is not None and tuner.explores(op, backend) and group_size in (None, g.size):

@@ -321,7 +321,8 @@ def _plan(rt: Runtime, g: Group, op: Op, tensors: tuple, fixed: tuple, backend, 
     bfixed = (root, *fixed[1:]) if op.root else fixed
     nbytes = op.size(tensors, g.size)
     dtype, rop = tensors[op.block].dtype, fixed[-1] if op.reduces else None
-    chosen = rt.selector.choose(name, nbytes, g.size, "cpu", dtype, rop, backend, g.declined)
+    chosen = rt.selector.choose(name, nbytes, g.size, "cpu", dtype, rop, backend,
+                                g.declined_async if async_op and backend is None else g.declined)
     timeout, tuner, timed = 0.0 if async_op else g.timeout, rt.autotune, False
     if tuner is not None and backend is None and op.collective:
         won = tuner.frozen(g, name, nbytes, "cpu", chosen)
@@ -665,13 +666,14 @@ def submit(rt: Runtime, op: str, g: Group, nbytes: int, ref: torch.Tensor, expli
     counts per peer) only feed the communication logger."""
     sel = rt.selector
     device = "cpu" if ref.is_cpu else ref.device.type
-    name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit, g.declined)
+    declined = g.declined_async if async_op and explicit is None else g.declined
+    name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit, declined)
     tuner = rt.autotune if rt.autotune is not None and rt.autotune.explores(op, explicit) else None
     if agree and (tuner is not None or sel.needs_agreement(op, g.size, explicit, device)):
         if rt.debug:
             fingerprint(rt, g, op, None, dtype=str(ref.dtype), device=device, shape=invariant, explicit=explicit)
         nbytes = rt.control_max(g, nbytes)
-        name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit, g.declined)
+        name = sel.choose(op, nbytes, g.size, device, ref.dtype, reduce_op, explicit, declined)
     elif rt.debug and collective:
         fingerprint(rt, g, op, name, dtype=str(ref.dtype), device=device, shape=invariant,
                     explicit=explicit, **({} if tuner is None else

@@ -35,7 +35,7 @@ class Group:
     a torch process group behind one object)."""
 
     __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index",
-                 "starters", "tuned", "trying", "tuned_calls", "declined")
+                 "starters", "tuned", "trying", "tuned_calls", "declined", "declined_async")
 
     def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
                  owner: "Runtime"):
@@ -49,6 +49,8 @@ class Group:
         self.handles: dict[str, object] = {}
         #: ((backend, why), ...): live backends that cannot serve this group (no handle; the selector skips them)
         self.declined: tuple = ()
+        #: the same for selected async calls: also the backends whose async calls would slow the caller
+        self.declined_async: tuple = ()
         self.seq = 0  # collectives issued (debug mode fingerprints)
         #: (nbytes, dtype, backend=) -> (backend chosen, all_reduce starter): the fast path's plans
         self.starters: dict = {}
@@ -485,6 +487,10 @@ class Runtime:
                 else:
                     declined.append((bname, why))
             group.declined = tuple(declined)
+            group.declined_async = group.declined + tuple(
+                (bname, "its async calls would take a core from the caller's compute (a spinning wait on a "
+                        "thread), so selected async calls go to the next library")
+                for bname, backend in self.backends.items() if not backend.async_calls and bname in group.handles)
         self.groups.append(group)
         return group
 

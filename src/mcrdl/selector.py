@@ -59,10 +59,11 @@ class Selector:
     def why_not(self, name: str, op: str, device: str, dtype: torch.dtype,
                 reduce_op=None, declined: tuple = ()) -> Optional[str]:
         """Why backend ``name`` cannot run this op here, or None (cached).
-        ``declined``: the group's ``(backend, why)`` pairs of backends that do not serve it."""
+        ``declined``: the ``(backend, why)`` pairs of backends that do not serve this call (its
+        group's ``declined``, or ``declined_async`` for a selected async call)."""
         for n, why in declined:
             if n == name:
-                return f"backend {name!r} does not serve this group: {why}"
+                return f"backend {name!r} does not serve this call: {why}"
         key = (name, op, device, dtype, reduce_op)
         try:
             return self._capable[key]

@@ -83,6 +83,9 @@ class Backend:
     needs: frozenset = frozenset()
     #: Device types whose ops it runs when no default backend is named (NCCL: cuda).
     default_for: frozenset = frozenset()
+    #: False: its async calls take a core from the caller's compute (a thread in a
+    #: spinning wait), so selection sends them to the next library; ``backend=`` still reaches it.
+    async_calls: bool = True
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:

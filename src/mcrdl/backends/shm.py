@@ -24,7 +24,9 @@ rank unlinks its own once every peer has mapped it, so a job leaves
 The library's waits spin without a deadline and cannot be withdrawn. A
 blocking call with nothing outstanding runs on the caller's thread; any other
 call runs on one worker thread, in issue order, while the caller keeps every
-other library progressing (hazard 1). A sentinel thread ends the process with
+other library progressing (hazard 1); the worker runs an op only once the
+process tests or waits for some work, as MPI progresses, so its spinning wait
+never takes a core from the caller's compute. A sentinel thread ends the process with
 a message naming the op when one runs past its group's deadline or a peer's
 process is gone: the only way out of a wait that cannot be interrupted, as
 NCCL's watchdog does.
@@ -135,22 +137,28 @@ _SET_UP: Optional[tuple] = None
 
 
 class ShmPending(Pending):
-    """An all-reduce queued on the worker thread."""
+    """An all-reduce queued on the worker thread, which runs it once someone
+    tests or waits for it (or for anything else, as the engine polls every
+    outstanding work then: the "shm" domain progresses only when polled)."""
 
-    __slots__ = ("done", "error")
+    progress_domain = "shm"
+    __slots__ = ("done", "error", "go")
 
-    def __init__(self):
+    def __init__(self, go: threading.Event):
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
+        self.go = go
 
     def test(self) -> bool:
         if not self.done.is_set():
+            self.go.set()
             return False
         if self.error is not None:
             raise self.error
         return True
 
     def block(self, deadline: float) -> bool:
+        self.go.set()
         return self.done.wait(max(deadline - time.monotonic(), 0)) and self.test()
 
 
@@ -160,6 +168,7 @@ class ShmBackend(Backend):
     name = "shm"
     devices = frozenset({"cpu"})
     ops = frozenset({"all_reduce"})
+    async_calls = False  # (DDP's bucket all-reduces during backward: 0.89x MPI's step, docs/backends.md)
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -193,6 +202,8 @@ class ShmBackend(Backend):
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._worker: Optional[threading.Thread] = None
         self._stopped = threading.Event()
+        self._go = threading.Event()  # set while the process polls or waits: the worker may run ops
+        self._lock = threading.Lock()
         self._ready = False  # (_set_up runs at this runtime's first op)
         checks = facts.load()
         if checks is not facts:  # the compiled driver starts the blocking fast path's starter itself
@@ -254,25 +265,37 @@ class ShmBackend(Backend):
         self.lib.all_reduce(tensor)
 
     def _work(self) -> None:
+        """Run the queued ops in issue order, each once this process polls or
+        waits (``_go``): between polls, while the caller computes, the
+        library's spinning wait would take a core from it (DDP's async
+        all-reduces during backward ran 6x slower)."""
+        threads = 0
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            tensor, pending = item
+            tensor, pending, wanted = item
+            if wanted != threads:  # the kernels' OpenMP threads: the caller's torch setting, not
+                self.lib.set_threads(wanted)  # a new thread's default of every core (DDP: 6x slower)
+                threads = wanted
+            self._go.wait()
             try:
                 self._run(tensor)
             except BaseException as exc:
                 pending.error = exc
-            self.lib.queue(-1)
+            with self._lock:  # (a submit after the count went to 0 sets _go again when polled)
+                if self.lib.queue(-1) == 0:
+                    self._go.clear()
             pending.done.set()
 
     def _submit(self, tensor: torch.Tensor) -> ShmPending:
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, daemon=True, name="mcrdl-shm")
             self._worker.start()
-        pending = ShmPending()
-        self.lib.queue(1)
-        self._queue.put((tensor, pending))
+        pending = ShmPending(self._go)
+        with self._lock:
+            self.lib.queue(1)
+        self._queue.put((tensor, pending, torch.get_num_threads()))
         return pending
 
     def _watch(self) -> None:
@@ -319,4 +342,5 @@ class ShmBackend(Backend):
     def shutdown(self) -> None:
         self._stopped.set()
         if self._worker is not None:
+            self._go.set()
             self._queue.put(None)

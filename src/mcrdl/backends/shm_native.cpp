@@ -15,6 +15,8 @@
 
 #include <atomic>
 
+#include <omp.h>
+
 #include "shm.h"
 
 namespace {
@@ -158,6 +160,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("initialize", &initialize, "map every rank's segment (names: <prefix>_<job>_<tag>_<rank>)");
     m.def("all_reduce", &all_reduce, "sum a contiguous tensor over every rank, in place");
     m.def("mark_ready", [] { ready = true; }, "the job's first op is done: starters may run ops themselves");
+    m.def("set_threads", [](int n) { omp_set_num_threads(n); },
+          "OpenMP threads of the kernels called from this thread (torch's libgomp: this thread only)");
     m.def("counts", [] { return std::make_pair(started.load(), ended.load()); }, "ops (entered, left) the library");
     m.def("queue", [](long change) { return queued.fetch_add(change) + change; },
           "add to the count of ops on the worker thread; returns it");

@@ -83,9 +83,9 @@ class CommTimer:
     def add(self, t0: float, t1: float) -> None:
         self.intervals.append((t0, t1))
 
-    def note(self, op: str, tensor: torch.Tensor, group=None) -> None:
+    def note(self, op: str, tensor: torch.Tensor, group=None, async_op: bool = False) -> None:
         if self.profiling:
-            self.profile.append((op, tensor, group))
+            self.profile.append((op, tensor, group, async_op))
 
     def take(self, lo: float, hi: float) -> float:
         """Seconds of [lo, hi] covered by recorded intervals; clears them."""
@@ -154,7 +154,7 @@ class TimedComm:
                 t = args[arg] if len(args) > arg else kwargs.get(
                     "input" if name in ("reduce_scatter_tensor", "all_to_all_single") else
                     "input_tensor" if name == "all_gather_into_tensor" else "tensor")
-                timer.note(name, t, kwargs.get("group"))
+                timer.note(name, t, kwargs.get("group"), bool(kwargs.get("async_op")))
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             if kwargs.get("async_op") and out is not None:
@@ -457,8 +457,8 @@ def _profile(prof: list, device: str) -> list:
     """[(op, bytes, backend, count)] of one step's calls (backend as selected now;
     a call noted by its size alone was on ``device`` tensors)."""
     rows: Dict[tuple, int] = {}
-    for op, t, group in prof:
-        text = mcrdl.explain(op, t, group=group, device=device)
+    for op, t, group, async_op in prof:
+        text = mcrdl.explain(op, t, group=group, device=device, async_op=async_op)
         head, _, rest = text.partition(": ")
         nbytes = int(head.split(" of ")[1].split(" B")[0])
         backend = rest.split(" (")[0]

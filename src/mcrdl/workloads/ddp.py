@@ -93,11 +93,11 @@ class DDP(Workload):
                 if variant == "fused":
                     if bucket.is_last():
                         total = sum(b.numel() * b.element_size() for b, _ in state.pending)
-                        timer.note("all_reduce", total + buf.numel() * buf.element_size())
+                        timer.note("all_reduce", total + buf.numel() * buf.element_size(), async_op=True)
                 elif variant in ("fp16", "bf16"):
-                    timer.note("all_reduce", buf.numel() * 2)
+                    timer.note("all_reduce", buf.numel() * 2, async_op=True)
                 else:
-                    timer.note("all_reduce", buf)
+                    timer.note("all_reduce", buf, async_op=True)  # (the hooks' calls are async)
                 t0 = time.perf_counter()
                 fut = hook(state, bucket)
 
