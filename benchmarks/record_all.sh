@@ -29,11 +29,11 @@ run $BIN/python benchmarks/percall/binding.py --repeats 3 --json $OUT/binding.js
 
 # tuning: the offline sweep, the table it picks, autotune in the job
 run $BIN/mcrdl tune -n 2 --out $OUT/tuning-2ranks.json --results $OUT/tune-sweep-2ranks.json \
-    --plot $OUT/tune-plots | tee $OUT/tune-2ranks.txt
+    --plot $OUT/tune-plots | tee $LOG/tune-2ranks.txt
 run $BIN/mcrdl bench -n 2 --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \
-    --json $OUT/bench-2ranks.json --csv $OUT/bench-2ranks.csv --plot $OUT/bench-plots | tee $OUT/bench-2ranks.txt
+    --json $OUT/bench-2ranks.json --plot $OUT/bench-plots | tee $LOG/bench-2ranks.txt
 run $BIN/mcrdl bench -n 2 --bind core --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \
-    --json $OUT/bench-2ranks-pinned.json --csv $OUT/bench-2ranks-pinned.csv | tee $OUT/bench-2ranks-pinned.txt
+    --json $OUT/bench-2ranks-pinned.json | tee $LOG/bench-2ranks-pinned.txt
 run $BIN/python benchmarks/tuning/autotune.py --rounds 5 --steps 10 | tee $LOG/autotune.txt
 run $BIN/python benchmarks/tuning/autotune_trial.py --runs 8 --rounds 4 --warmup 30 | tee $LOG/autotune_trial.txt
 run $BIN/python benchmarks/tuning/drift.py --out $OUT/drift.json | tee $LOG/drift.txt
@@ -43,9 +43,9 @@ run $BIN/mcrdl run -n 2 benchmarks/features/fusion.py --json $OUT/fusion.json | 
 run $BIN/mcrdl run -n 2 benchmarks/features/compression.py --json $OUT/compression.json | tee $LOG/compression.txt
 
 # workloads: end to end, the demo's workloads and real frameworks
-run $BIN/mcrdl demo | tee $OUT/demo.txt
-cp out/demo/demo.png $OUT/demo.png && cp out/demo/results.json $OUT/demo.json
-run $BIN/python benchmarks/workloads/frameworks_steptime.py --rounds 3 | tee $OUT/frameworks.txt
+run $BIN/mcrdl demo | tee $LOG/demo.txt
+cp out/demo/demo.png $OUT/demo.png
+run $BIN/python benchmarks/workloads/frameworks_steptime.py --rounds 3 | tee $LOG/frameworks.txt
 
 # model: `mcrdl model` against logged runs (writes $OUT/model_validation.* itself)
 run $BIN/python benchmarks/model/model_validation.py --runs 8 --steps 10 --warmup 2 --calibrate 10

@@ -265,6 +265,21 @@ def test_contested_names_every_bench_op_of_the_class():
     assert tune.contested(results, BACKENDS) == {"all_to_all": [1024], "all_to_allv": [1024]}
 
 
+def test_all_to_all_is_decided_for_one_backend():
+    """gloo wins all_to_all's largest size: two backends in its rules would make
+    every uneven call agree on its size first, so the table keeps the one whose
+    times are closest to each size's best over all of them (mpi), and says by how
+    much it loses where it does."""
+    results = (sweep("all_to_all", {4: {"mpi": 1, "gloo": 9}, 64: {"mpi": 1, "gloo": 9},
+                                    1024: {"mpi": 9, "gloo": 6}})
+               + sweep("all_reduce", {4: {"mpi": 1, "gloo": 9}, 1024: {"mpi": 9, "gloo": 1}}))
+    d = tune.decide(results, BACKENDS)
+    assert [b for _, b, _ in d["all_to_all"]] == ["mpi", "mpi", "mpi"]
+    assert d["all_to_all"][2][2] == pytest.approx(6 / 9 - 1)
+    assert [b for _, b, _ in d["all_reduce"]] == ["mpi", "gloo"]  # (other ops: per size)
+    assert tune.contested(results, BACKENDS)["all_to_all"] == [1024]  # (still measured again)
+
+
 def test_each_backend_is_judged_by_its_better_pass():
     """A slow phase of mpi in the sweep left gloo the winner at 16 MiB; the
     second pass measures mpi at its usual speed, and the table follows."""
@@ -416,9 +431,12 @@ def test_both_all_to_all_forms_decide_one_rule_on_their_summed_times():
     backend far ahead in one form and a little behind in the other wins."""
     results = (sweep("all_to_all", {4: {"mpi": 10, "gloo": 12}, 1024: {"mpi": 10, "gloo": 30}})
                + sweep("all_to_allv", {4: {"mpi": 30, "gloo": 12}, 1024: {"mpi": 11, "gloo": 30}}))
-    d = tune.decide(results, BACKENDS)
+    d = tune.per_size(results, BACKENDS)
     assert set(d) == {"all_to_all"}
     assert d["all_to_all"] == [(4, "gloo", pytest.approx(40 / 24 - 1)), (1024, "mpi", pytest.approx(60 / 21 - 1))]
+    # (and the table's one backend for all of them: mpi, 1.67x the best at 4 B, 2.86x ahead at 1 KiB)
+    assert tune.decide(results, BACKENDS)["all_to_all"] == [(4, "mpi", pytest.approx(24 / 40 - 1)),
+                                                           (1024, "mpi", pytest.approx(60 / 21 - 1))]
     table = tune.make_table(results, BACKENDS, 2, META)
     assert set(table["rules"]["cpu"]) == {"all_to_all"}
     gains = tune.gains(results, table, BACKENDS)

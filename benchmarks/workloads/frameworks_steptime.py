@@ -2,9 +2,10 @@
 
 Runs each example of examples/frameworks/ under each launcher (``--launchers``:
 `mcrdl run -n 2`, i.e. mpiexec, and `mcrdl run --launcher torchrun -n 2`, where
-mcrdl starts MPI over torchrun's store) with ``--backend gloo`` and ``--backend
-mcrdl``, alternating (the order of the four launches reverses every round), for
-``--rounds`` rounds. Per launch: the median of rank 0's step times after
+mcrdl starts MPI over torchrun's store) with ``--backend gloo``, ``--backend
+mcrdl`` (no table: every op on MPI, the default library) and ``--backend mcrdl``
+with ``--table`` (``MCRDL_TUNING_TABLE``: each op on the library the table picks),
+alternating (the order of the launches reverses every round), for ``--rounds`` rounds. Per launch: the median of rank 0's step times after
 ``--warmup`` steps; per example, launcher and backend: the median of those over
 the rounds. Also checks that each round's launches gave bitwise identical losses. A failed launch is repeated once and listed
 in the doc (a second failure stops the run). Writes docs/results/frameworks.md (command,
@@ -40,7 +41,8 @@ EXAMPLES = {
     "dtensor_mesh_hsdp": ("dtensor_mesh.py", "--mode", "hsdp"),
     "lightning_ddp": ("lightning_ddp.py",),
 }
-BACKENDS = ("gloo", "mcrdl")
+#: the variants: name -> (--backend, with the tuning table)
+BACKENDS = {"gloo": ("gloo", False), "mcrdl": ("mcrdl", False), "tuned": ("mcrdl", True)}
 LAUNCHERS = ("mpiexec", "torchrun")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "DS_ACCELERATOR": "cpu"}
 
@@ -49,13 +51,15 @@ def uptime():
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def launch(nprocs, script, args, backend, steps, launcher):
+def launch(nprocs, script, args, variant, steps, launcher, table):
     """One `mcrdl run` job: (rank 0's RESULT or None, the job's wall time, command, output)."""
+    backend, tuned = BACKENDS[variant]
     cmd = [sys.executable, "-m", "mcrdl.cli", "run", "--launcher", launcher, "-n", str(nprocs), "--timeout", "600",
            os.path.join(ROOT, "examples", "frameworks", script), *args, "--backend", backend,
            "--steps", str(steps)]
+    env = {**ENV, "MCRDL_TUNING_TABLE": table} if tuned else ENV
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0
     lines = [l[len("RESULT "):] for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     ok = proc.returncode == 0 and len(lines) == 1
@@ -72,6 +76,7 @@ def main():
     p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated, of: " + ", ".join(LAUNCHERS))
     p.add_argument("--out", default="docs/results/frameworks.md")
     p.add_argument("--json", default="docs/results/frameworks.json")
+    p.add_argument("--table", default="docs/results/tuning-2ranks.json", help="the 'tuned' variant's tuning table")
     args = p.parse_args()
     if args.rounds < 1 or not 0 <= args.warmup < args.steps:
         p.error("need --rounds >= 1 and 0 <= --warmup < --steps")
@@ -103,7 +108,7 @@ def main():
                     progress.update(task, description=f"round {rnd + 1}: {name} on {backend} under {launcher}")
                     for attempt in (1, 2):  # one retry: record the failure, stop on a second
                         result, wall, cmd, out = launch(args.nprocs, EXAMPLES[name][0], EXAMPLES[name][1:],
-                                                        backend, args.steps, launcher)
+                                                        backend, args.steps, launcher, args.table)
                         if result is not None:
                             break
                         failures.append({"round": rnd + 1, "example": name, "backend": backend,
@@ -127,7 +132,8 @@ def main():
 
     headers = ["example"]
     for launcher in launchers:
-        headers += [f"{launcher}: gloo ms", "mcrdl ms", "mcrdl/gloo (per round)", "job s mcrdl"]
+        headers += [f"{launcher}: gloo ms", "mcrdl (MPI only) ms", "mcrdl/gloo (per round)", "tuned ms",
+                    "tuned/mcrdl (per round)", "job s mcrdl"]
     if len(launchers) > 1:
         headers += [f"mcrdl {launchers[1]}/{launchers[0]} (per round)"]
     headers += ["losses identical"]
@@ -138,10 +144,12 @@ def main():
     for name in names:
         row = [name]
         for launcher in launchers:
-            gloo, mcrdl = (launcher, "gloo"), (launcher, "mcrdl")
+            gloo, mcrdl, tuned = (launcher, "gloo"), (launcher, "mcrdl"), (launcher, "tuned")
             per_round = " ".join(f"{x:.2f}" for x in ratios(name, mcrdl, gloo))
+            tuned_rounds = " ".join(f"{x:.2f}" for x in ratios(name, tuned, mcrdl))
             row += [f"{1e3 * med(name, gloo):.1f}", f"{1e3 * med(name, mcrdl):.1f}",
-                    f"{med(name, mcrdl) / med(name, gloo):.2f}x ({per_round})",
+                    f"{med(name, mcrdl) / med(name, gloo):.2f}x ({per_round})", f"{1e3 * med(name, tuned):.1f}",
+                    f"{med(name, tuned) / med(name, mcrdl):.2f}x ({tuned_rounds})",
                     f"{med(name, mcrdl, 'job_wall_s'):.1f}"]
         if len(launchers) > 1:
             a, b = (launchers[1], "mcrdl"), (launchers[0], "mcrdl")
@@ -161,11 +169,13 @@ def main():
             pass
     doc = environment(**found)
     md = [
-        "# Real frameworks on \"mcrdl\" vs gloo: step time",
+        "# Real frameworks on \"mcrdl\" vs gloo, MPI only and tuned: step time",
         "",
         "Each example in `examples/frameworks/` (unchanged but for `--backend`) on "
         f"{args.nprocs} ranks under each launcher ({', '.join(launchers)}: `mcrdl run --launcher L`; "
-        "under torchrun mcrdl starts MPI over torchrun's store), once per backend per round, the "
+        "under torchrun mcrdl starts MPI over torchrun's store), once per variant per round (gloo; "
+        "\"mcrdl\" with no table, every op on MPI; \"mcrdl\" with the tuning table "
+        f"`{args.table}`, each op on the library it picks), the "
         f"order of the launches reversed every round, {args.rounds} rounds. Per launch the median "
         "of rank 0's step times (forward, backward, optimizer step) after "
         f"{args.warmup} warm-up steps of {args.steps}; the table gives the median over the rounds "

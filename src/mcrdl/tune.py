@@ -22,6 +22,7 @@ workloads' ``--tune`` call it too).
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections import Counter
 from typing import Optional, Sequence
@@ -50,7 +51,35 @@ def _class_times(results: Sequence[Result], backends: Sequence[str]) -> dict:
 
 
 def decide(results: Sequence[Result], backends: Sequence[str], margin: float = 0.05):
-    """{class: [(size, winner, advantage)]} from forced-backend results."""
+    """{class: [(size, winner, advantage)]} from forced-backend results: each
+    size's winner (:func:`per_size`), but one backend for every all_to_all size
+    (:func:`one_for_all_to_all`)."""
+    out = per_size(results, backends, margin)
+    if "all_to_all" in out:
+        out["all_to_all"] = one_for_all_to_all(out["all_to_all"], _class_times(results, backends)["all_to_all"])
+    return out
+
+
+def one_for_all_to_all(rows: list, by_size: dict) -> list:
+    """The all_to_all rows on the one backend with the least geometric mean of
+    its time over each size's best: with two backends in its rules, ranks
+    sending uneven sizes agree on the size at every call (a control all-reduce
+    and the general path: 60 us per call here at 2 ranks, 12x MPI's planned call
+    below 4 KiB, docs/tuning-table.md), more than a faster library gains on the
+    largest sizes."""
+    if len({b for _, b, _ in rows}) < 2:
+        return rows
+    sizes = [size for size, _, _ in rows]
+    every = [b for b in by_size[sizes[0]] if all(b in by_size[s] for s in sizes)]
+    spread = lambda b: sum(math.log(by_size[s][b] / min(by_size[s].values())) for s in sizes)
+    one = min(every, key=spread)
+    return [(s, one, min((t for b, t in by_size[s].items() if b != one), default=by_size[s][one])
+             / by_size[s][one] - 1) for s in sizes]
+
+
+def per_size(results: Sequence[Result], backends: Sequence[str], margin: float = 0.05):
+    """{class: [(size, winner, advantage)]}: each size's fastest backend (the
+    previous size's while within ``margin`` of it)."""
     out = {}
     for op, by_size in _class_times(results, backends).items():
         rows, incumbent = [], None
@@ -75,7 +104,7 @@ def contested(results: Sequence[Result], backends: Sequence[str], margin: float 
     for r in results:
         ops_of.setdefault(OP_CLASS[r.op], set()).add(r.op)
     out = {}
-    for cls, rows in decide(results, backends, margin).items():
+    for cls, rows in per_size(results, backends, margin).items():
         majority = Counter(b for _, b, _ in rows).most_common(1)[0][0]
         sizes = [size for size, b, _ in rows if b != majority]
         if sizes:
