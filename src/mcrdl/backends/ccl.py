@@ -43,7 +43,6 @@ import os
 import queue
 import secrets
 import socket
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -53,11 +52,9 @@ import torch
 
 from ..types import ReduceOp
 from ..work import DONE, Pending
-from . import ccl_lib
+from . import ccl_lib, sentinel
 from .base import Backend, Context
 
-SENTINEL_S = 0.25  # how often the sentinel looks at a running op
-GRACE_S = 2.0  # past the deadline, the engine's timeout error is raised first
 #: the library's reductions on CPU (ccl_lib.REDUCTIONS)
 REDUCE_CODES = {ReduceOp.SUM: ccl_lib.REDUCTIONS["sum"], ReduceOp.PRODUCT: ccl_lib.REDUCTIONS["prod"],
                 ReduceOp.MAX: ccl_lib.REDUCTIONS["max"], ReduceOp.MIN: ccl_lib.REDUCTIONS["min"]}
@@ -76,15 +73,6 @@ def _host() -> str:
             return f.read().strip()
     except OSError:
         return socket.gethostname()
-
-
-def _gone(pid: int) -> bool:
-    """Has process ``pid`` ended (a zombie counts)?"""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 def _code(t: torch.Tensor) -> int:
@@ -305,8 +293,7 @@ class CclBackend(Backend):
     # -- running ops ----------------------------------------------------------
     def _run(self, op: str, fn: Callable, h: CclGroup, *args) -> None:
         if self._sentinel is None:
-            self._sentinel = threading.Thread(target=self._watch, daemon=True, name="mcrdl-ccl-sentinel")
-            self._sentinel.start()
+            self._sentinel = sentinel.start("ccl", self._stopped, lambda: (self._started, self._ended), self._verdict)
         self._current = (op, h, h.timeout)
         self._started += 1  # (the sentinel watches these two counts)
         try:
@@ -341,31 +328,18 @@ class CclBackend(Backend):
     def _start(self, op: str, h, *args) -> CclPending:
         return self._submit(self._run, op, self.RUN[op], h, *args)
 
-    def _watch(self) -> None:
-        """The sentinel (module docstring): an op still in the library past its
-        group's timeout (plus a grace, so an async op's own timeout error comes
-        first), or a peer's process on this host gone while one is, ends this
-        process."""
-        seen, since = 0, 0.0
-        while not self._stopped.wait(SENTINEL_S):
-            started = self._started
-            if started == self._ended:
-                continue
-            now = time.monotonic()
-            if started != seen:
-                seen, since = started, now
-            op, h, timeout = self._current
-            ranks = h.ranks if h is not None else []
-            dead = [r for r in ranks if r in self.pids and _gone(self.pids[r])]
-            late = now - since > timeout + GRACE_S
-            if (dead or late) and self._started == started != self._ended:
-                why = (f"rank(s) {dead} ended" if dead else
-                       f"it ran past the group's timeout of {timeout:g} s")
-                sys.stderr.write(f"mcrdl: rank {self.ctx.rank}: {op} #{started} on backend 'ccl' (group "
-                                 f"{ranks}) cannot complete: {why}, and the library's wait cannot be "
-                                 "withdrawn: ending this process\n")
-                sys.stderr.flush()
-                os._exit(1)
+    def _verdict(self, number: int, inside: float) -> Optional[str]:
+        """The sentinel's (sentinel.py): why op ``number``, ``inside`` the library
+        that many seconds, cannot complete (past its group's timeout plus a grace,
+        so an async op's own timeout error comes first, or a peer on this host gone)."""
+        op, h, timeout = self._current
+        ranks = h.ranks if h is not None else []
+        dead = [r for r in ranks if r in self.pids and sentinel.gone(self.pids[r])]
+        if not dead and inside <= timeout + sentinel.GRACE_S:
+            return None
+        why = f"rank(s) {dead} ended" if dead else f"it ran past the group's timeout of {timeout:g} s"
+        return (f"mcrdl: rank {self.ctx.rank}: {op} #{number} on backend 'ccl' (group {ranks}) cannot complete: "
+                f"{why}, and the library's wait cannot be withdrawn: ending this process")
 
     def all_reduce(self, h, tensor, op):
         return self._start("all_reduce", h, tensor, op)

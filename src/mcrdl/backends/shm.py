@@ -50,14 +50,13 @@ import torch
 from .. import compiled, facts
 from ..types import ReduceOp
 from ..work import DONE, Pending
+from . import sentinel
 from .base import Backend, BackendUnavailable, Context
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_native.cpp")
 MODULE = "mcrdl_shm_native"
 BUILD_TIMEOUT_S = 300
 SEGMENT_PREFIX = "deepspeed_allreduce_buffer"  # shm.cpp's SHM_BUFFER_NAME
-SENTINEL_S = 0.25  # how often the sentinel looks at a running op
-GRACE_S = 2.0  # past the deadline, the engine's timeout error is raised first
 #: what each dtype needs of the host (vector_kernel_level())
 KERNEL_LEVEL = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}
 
@@ -121,15 +120,6 @@ def _host() -> tuple:
         boot = ""
     st = os.stat("/dev/shm")
     return boot, st.st_dev, st.st_ino
-
-
-def _gone(pid: int) -> bool:
-    """Has process ``pid`` ended (a zombie counts)?"""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 #: the world (size, rank) this process's library was set up for: it has one channel per process
@@ -223,7 +213,7 @@ class ShmBackend(Backend):
         come in one order), runs it, and each rank unlinks its own segment,
         which every peer has mapped once the op is done."""
         global _SET_UP
-        threading.Thread(target=self._watch, daemon=True, name="mcrdl-shm-sentinel").start()
+        sentinel.start("shm", self._stopped, self.lib.counts, self._verdict)
         job, tag = self._names
         if _SET_UP is None:
             self.lib.initialize(self.ctx.world_size, self.ctx.rank, job, tag)
@@ -298,28 +288,16 @@ class ShmBackend(Backend):
         self._queue.put((tensor, pending, torch.get_num_threads()))
         return pending
 
-    def _watch(self) -> None:
-        """The sentinel (module docstring): an op still in the library past the
-        world's timeout (plus a grace, so an async op's own timeout error comes
-        first), or a peer's process gone while one is, ends this process."""
-        seen, since = 0, 0.0
-        while not self._stopped.wait(SENTINEL_S):
-            started, ended = self.lib.counts()
-            if started == ended:
-                continue
-            now = time.monotonic()
-            if started != seen:
-                seen, since = started, now
-            dead = [r for r, pid in enumerate(self.pids) if r != self.ctx.rank and _gone(pid)]
-            late = now - since > self.timeout + GRACE_S
-            if (dead or late) and self.lib.counts() == (started, ended):
-                why = (f"rank(s) {dead} ended" if dead else
-                       f"it ran past the world's timeout of {self.timeout:g} s")
-                sys.stderr.write(f"mcrdl: rank {self.ctx.rank}: all_reduce #{started} on backend 'shm' cannot "
-                                 f"complete: {why}, and the library's wait cannot be withdrawn: ending "
-                                 "this process\n")
-                sys.stderr.flush()
-                os._exit(1)
+    def _verdict(self, number: int, inside: float) -> Optional[str]:
+        """The sentinel's (sentinel.py): why all_reduce ``number``, ``inside`` the
+        library that many seconds, cannot complete (past the world's timeout plus a
+        grace, so an async op's own timeout error comes first, or a peer gone)."""
+        dead = [r for r, pid in enumerate(self.pids) if r != self.ctx.rank and sentinel.gone(pid)]
+        if not dead and inside <= self.timeout + sentinel.GRACE_S:
+            return None
+        why = f"rank(s) {dead} ended" if dead else f"it ran past the world's timeout of {self.timeout:g} s"
+        return (f"mcrdl: rank {self.ctx.rank}: all_reduce #{number} on backend 'shm' cannot complete: {why}, "
+                "and the library's wait cannot be withdrawn: ending this process")
 
     def all_reduce(self, h, tensor, op):
         return self._submit(tensor)
