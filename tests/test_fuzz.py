@@ -36,10 +36,11 @@ from hypothesis import assume, given, settings, strategies as st
 from mcrdl import bench, cli
 from mcrdl.model import CostModel, ModelConfigError, compare, config_from_dict, load_config, load_log
 from mcrdl.model.config import Config
+from mcrdl.backends import REGISTRY
 from mcrdl.tuning import SELECT_OPS, TuningTable, TuningTableError
 
 ROOT = Path(__file__).parents[1]
-KNOWN = ("mpi", "nccl", "gloo")
+KNOWN = tuple(REGISTRY)
 INT64_MAX = 2 ** 63 - 1
 # MCRDL_FUZZ_SCALE=20 fuzzes 20 times longer (still deterministic).
 SCALE = float(os.environ.get("MCRDL_FUZZ_SCALE", "1"))
