@@ -69,7 +69,8 @@ def test_a_frozen_peer_ends_the_job_and_leaves_no_segment():
     out, rc = run_job_rc(2, "shm_job.py", "stop", timeout=120, env={"SHM_JOB_TIMEOUT": "3"})
     assert rc != 0
     assert "on backend 'shm' cannot complete: it ran past the world's timeout of 3 s" in out, out[-3000:]
-    assert time.monotonic() - began < 60
+    took = time.monotonic() - began
+    assert took < 60, f"the job took {took:.0f} s: {out[-3000:]}"
     assert not left_by(out)
 
 

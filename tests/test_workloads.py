@@ -178,10 +178,11 @@ def test_demo_end_to_end(tmp_path, table):
 def test_demo_autotuned_mode_runs_without_the_quick_tune(tmp_path):
     """`mcrdl demo --modes ...,autotuned`: no mode needs a table, so no tune;
     every autotuned run records what it learned, finished within the warm-up
-    (trial blocks of 10 ms, so that a trial ends within the warm-up: 20 steps, every live library explored)."""
+    (trial blocks of 10 ms, so that a trial ends within the warm-up: 40 steps, every
+    live library explored, four here, with the rest of the suite on the cores)."""
     out = tmp_path / "demo"
     cmd = [sys.executable, "-m", "mcrdl.cli", "demo", "--workloads", "moe,dlrm", "--modes",
-           "baseline-gloo,autotuned", "--steps", "2", "--warmup", "20", "--rounds", "1", "--out", str(out),
+           "baseline-gloo,autotuned", "--steps", "2", "--warmup", "40", "--rounds", "1", "--out", str(out),
            "--timeout", "300"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=330, cwd=tmp_path,
                           env={**os.environ, "MCRDL_AUTOTUNE_BLOCK_MS": "10"})
