@@ -2,9 +2,9 @@
 
 What the runtime once knew by name (which library needs a store or an MPI
 launcher, the CUDA default, the control collectives' library, the bench's
-harness) is each backend's declaration now (``needs``, ``default_for``,
-``ops``, ``devices``). The places below still name libraries, each for the
-reason given; a new one fails this test.
+harness, the raw baselines) is each backend's declaration now (``needs``,
+``default_for``, ``ops``, ``devices``, ``raw_ops``). The places below still
+name libraries, each for the reason given; a new one fails this test.
 """
 import ast
 import io
@@ -21,8 +21,6 @@ NAMES = set(REGISTRY)
 
 #: (file, library) -> how many string literals there name it, and why they may
 STILL_NAMED = {
-    ("bench.py", "mpi"): (1, "the raw-mpi baseline: mpi4py's own calls, timed beside the backends"),
-    ("bench.py", "gloo"): (2, "the raw-gloo baseline: torch.distributed's own gloo group"),
     ("features/flight_recorder.py", "gloo"): (1, "torch's flight-recorder format names torch's libraries"),
     ("features/flight_recorder.py", "nccl"): (1, "torch's flight-recorder format names torch's libraries"),
     ("integrations/torch_backend.py", "gloo"): (1, "names torch reserves for its own backends"),

@@ -2,8 +2,9 @@
 
 A *variant* is one way to run an op: a live backend forced through mcrdl
 (``mpi``, ``gloo``, ...), mcrdl's own selection (``mcrdl``), or the raw
-library call without mcrdl (``raw-mpi``: mpi4py on numpy buffers made once;
-``raw-gloo``: ``torch.distributed`` on its own gloo group). Tensors are on
+library call without mcrdl (``raw-<backend>``: what each backend declares as
+its library's own calls, ``Backend.raw_calls``: mpi4py on numpy views, torch.distributed
+on a gloo group of its own, DeepSpeed's shm kernel, oneCCL's C calls). Tensors are on
 one device type (``device``, metadata ``device``): ``cpu``, or ``cuda`` (the
 rank's GPU, local rank modulo the GPUs seen; each call is timed to the end
 of its work on the GPU: the stream is synchronised inside the timed region,
@@ -192,53 +193,10 @@ class _Case:
         return lambda: None
 
     def _raw_call(self) -> Callable[[], None]:
-        op, n = self.op, self.world
-        if self.variant == "raw-mpi":
-            from mpi4py import MPI
-
-            comm = MPI.COMM_WORLD
-            a = lambda t: None if t is None else t.numpy()  # made once, shares memory
-            inp, out = a(self.inp), a(self.out)
-            calls = {
-                "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, inp),
-                "broadcast": lambda: comm.Bcast(inp, 0),
-                "reduce": lambda: comm.Reduce(MPI.IN_PLACE if self.rank == 0 else inp,
-                                              inp if self.rank == 0 else None, MPI.SUM, 0),
-                "all_gather": lambda: comm.Allgather(inp, out),
-                "reduce_scatter": lambda: comm.Reduce_scatter_block(inp, out, MPI.SUM),
-                "gather": lambda: comm.Gather(inp, out, 0),
-                "scatter": lambda: comm.Scatter(inp, out, 0),
-                "all_to_all": lambda: comm.Alltoall(inp, out),
-            }
-            if op == "all_to_allv":
-                counts = [self.part] * n
-                displs = [i * self.part for i in range(n)]
-                send, recv = [inp, counts, displs, MPI.FLOAT], [out, counts, displs, MPI.FLOAT]
-                return lambda: comm.Alltoallv(send, recv)
-            if op == "p2p":
-                return self._pingpong(lambda t, p: comm.Send(inp, p), lambda t, p: comm.Recv(inp, p))
-            return calls[op]
-        import torch.distributed as dist
-
-        inp, out = self.inp, self.out
-        # torch >= 2.13 names (the older ones warn there); torch < 2.13 has only the older
-        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        splits = [self.part] * n
-        calls = {
-            "all_reduce": lambda: dist.all_reduce(inp),
-            "broadcast": lambda: dist.broadcast(inp, 0),
-            "reduce": lambda: dist.reduce(inp, 0),
-            "all_gather": lambda: all_gather(out, inp),
-            "reduce_scatter": lambda: reduce_scatter(out, inp),
-            "gather": lambda: dist.gather(inp, list(out.chunk(n)) if out is not None else None, 0),
-            "scatter": lambda: dist.scatter(out, list(inp.chunk(n)) if inp is not None else None, 0),
-            "all_to_all": lambda: dist.all_to_all_single(out, inp),
-            "all_to_allv": lambda: dist.all_to_all_single(out, inp, splits, splits),
-        }
-        if op == "p2p":
-            return self._pingpong(lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p))
-        return calls[op]
+        """The library's own call (its backend's :meth:`~mcrdl.backends.base.Backend.raw_calls`)."""
+        rt, name = api.current_runtime(), self.variant[4:]
+        call = rt.backends[name].raw_calls(rt.world.handles[name], self.inp, self.out, self.part)[self.op]
+        return self._pingpong(*call) if self.op == "p2p" else call
 
     def check(self) -> bool:
         """Run once on exact inputs and compare with the local reference."""
@@ -303,25 +261,10 @@ class Bench:
         self.do_check = check
         self.progress = progress
         self.harness = api.current_runtime().control_backend  # (MPI where it is live)
-        if any(v == "raw-gloo" for v in self.variants):
-            self._init_raw_gloo()
-
-    def _init_raw_gloo(self) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            store = dist.PrefixStore("raw-gloo/", api.current_runtime().store)
-            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world,
-                                    timeout=_dt.timedelta(seconds=api.current_runtime().timeout))
-            self._own_raw_gloo = True
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if hasattr(self, "_threads"):
             torch.set_num_threads(self._threads)
-        if getattr(self, "_own_raw_gloo", False) and dist.is_initialized():
-            dist.destroy_process_group()
 
     def _reduce3(self, value: float) -> tuple[float, float, float]:
         """(avg, min, max) of a per-rank value across the world."""
@@ -408,9 +351,11 @@ class Bench:
 def _runs(variant: str, op: str, device: str) -> bool:
     """Can ``variant`` run this benchmark's ``op`` on ``device`` tensors? (gloo
     has no CUDA p2p: its cells stay empty, and a tune leaves it out there)"""
-    if variant == "mcrdl" or variant.startswith("raw-"):
-        return True
     rt = api.current_runtime()
+    if variant.startswith("raw-"):
+        return op in type(rt.backends[variant[4:]]).raw_ops
+    if variant == "mcrdl":
+        return True
     return rt.selector.why_not(variant, OP_CLASS[op], device, torch.float32, None, rt.world.declined) is None
 
 
@@ -419,6 +364,12 @@ def _selected(op: str, nbytes: int, device: str) -> str:
     rt = api.current_runtime()
     return rt.selector.choose(OP_CLASS[op], nbytes, rt.world.size, device, torch.float32, None, None,
                               rt.world.declined)
+
+
+def raw_variants(live: Sequence[str]) -> list:
+    """``raw-<name>`` of each live backend whose library has raw calls (``raw_ops``)."""
+    rt = api.current_runtime()
+    return [f"raw-{b}" for b in live if type(rt.backends[b]).raw_ops]
 
 
 def default_device() -> str:
@@ -705,12 +656,13 @@ def run(*, variants: Optional[Sequence[str]] = None, device: Optional[str] = Non
         rank, world = api.get_rank(), api.get_world_size()
         device = device or default_device()
         live = live_for(device)
-        raw = [f"raw-{b}" for b in ("mpi", "gloo") if b in live] if device == "cpu" else []
+        raw = raw_variants(live) if device == "cpu" else []
         variants = list(variants or live + ["mcrdl"] + raw)
         unknown = [v for v in variants if v not in live + ["mcrdl"] + raw]
         if unknown:
             raise ValueError(f"unknown or not live variants {unknown} for {device} tensors (live backends: "
-                             f"{', '.join(live)}; raw-mpi and raw-gloo time CPU tensors only)")
+                             f"{', '.join(live)}; raw variants, CPU tensors only: "
+                             f"{', '.join(raw_variants(live)) or 'none'})")
         ops = ops_for(ops, world)
         sizes = sweep_sizes(sizes, quick, [4, 1024, 65536, 1 << 20], max_bytes or 16 << 20, step)
         iters = iters or (20 if quick else 100)

@@ -245,7 +245,8 @@ def parser() -> argparse.ArgumentParser:
                        help="run a fixed compute step (1 matmul) before each timed call, as in a training "
                             "step (default: back to back, OSU)")
         if name == "bench":
-            c.add_argument("--variants", help="e.g. mpi,gloo,mcrdl,raw-mpi,raw-gloo (default: all)")
+            c.add_argument("--variants", help="e.g. mpi,gloo,mcrdl,raw-mpi,raw-shm "
+                                              "(default: every live backend, mcrdl, each library's raw calls)")
             c.add_argument("--check", action="store_true", help="verify results on exact values")
             c.add_argument("--table", help="tuning table for the 'mcrdl' (selected) variant")
             c.add_argument("--json", help="write results as JSON")

@@ -86,6 +86,8 @@ class Backend:
     #: False: its async calls take a core from the caller's compute (a thread in a
     #: spinning wait), so selection sends them to the next library; ``backend=`` still reaches it.
     async_calls: bool = True
+    #: The ops of ``mcrdl bench`` (bench.BENCH_OPS) its raw baseline times (:meth:`raw_calls`).
+    raw_ops: frozenset = frozenset()
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -121,6 +123,15 @@ class Backend:
 
     def version(self) -> str:
         return ""
+
+    def raw_calls(self, h, inp: Optional[torch.Tensor], out: Optional[torch.Tensor], part: int) -> dict:
+        """The library's own calls without mcrdl, which ``mcrdl bench`` times as
+        ``raw-<name>`` beside this backend's (its per-call cost is mcrdl's over
+        it): for each op of :attr:`raw_ops`, a call of no arguments on the
+        bench's CPU buffers (``inp``/``out`` as ``mcrdl bench`` lays them out:
+        ``part`` elements per rank's block, root 0, a sum); ``"p2p"``: a (send,
+        recv) pair of functions of (tensor, peer). ``h``: this backend's world handle."""
+        return {}
 
     def new_group(self, ranks: Sequence[int], group_rank: int, store: Any, timeout: float) -> Any:
         """Create this backend's handle for a group of global ``ranks``; called on

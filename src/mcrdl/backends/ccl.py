@@ -125,6 +125,8 @@ class CclBackend(Backend):
     ops = OPS
     #: each communicator's unique id travels through the group's store
     needs = frozenset({"store"})
+    raw_ops = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "scatter",
+                         "all_to_all", "all_to_allv"})
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -229,6 +231,23 @@ class CclBackend(Backend):
             uid = h.store.get(h.key)
         h.comm = ccl_lib.Comm(bytes(uid), h.size, h.rank)
         return h.comm
+
+    def raw_calls(self, h, inp, out, part):
+        """oneCCL's C calls themselves on the caller's thread, their arguments made once."""
+        comm, n = self._comm(h), self.ctx.world_size
+        f32, total = DTYPE_CODES[torch.float32], REDUCE_CODES[ReduceOp.SUM]
+        a, b = (0 if t is None else t.data_ptr() for t in (inp, out))
+        counts = [part] * n
+        return {
+            "all_reduce": lambda: comm.all_reduce(a, a, inp.numel(), f32, total),
+            "broadcast": lambda: comm.broadcast(a, inp.numel(), f32, 0),
+            "reduce": lambda: comm.reduce(a, a, inp.numel(), f32, total, 0),
+            "all_gather": lambda: comm.all_gather(a, b, part, f32),
+            "reduce_scatter": lambda: comm.reduce_scatter(a, b, part, f32, total),
+            "scatter": lambda: comm.scatter(a or None, b, part, f32, 0),
+            "all_to_all": lambda: comm.all_to_all(a, b, part, f32),
+            "all_to_allv": lambda: comm.all_to_allv(a, counts, b, counts, f32),
+        }
 
     # -- the ops, each run to completion ----------------------------------------
     def _all_reduce(self, h, t, op):

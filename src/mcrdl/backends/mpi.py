@@ -266,6 +266,8 @@ class MPIBackend(Backend):
     needs = frozenset({"launcher"})
     #: CUDA tensors go to a CUDA-aware MPI as they are (False: a subclass moves them itself)
     direct_cuda = True
+    raw_ops = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather",
+                         "scatter", "all_to_all", "all_to_allv", "p2p"})
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -322,6 +324,25 @@ class MPIBackend(Backend):
 
     def version(self) -> str:
         return library_name(self.MPI)
+
+    def raw_calls(self, h, inp, out, part):
+        """mpi4py's own calls on numpy views of the buffers (made once), on the launcher's communicator."""
+        MPI, comm, rank = self.MPI, self.ctx.mpi_comm, self.ctx.rank
+        a, b = (None if t is None else t.numpy() for t in (inp, out))
+        counts = [part] * self.ctx.world_size
+        displs = [i * part for i in range(self.ctx.world_size)]
+        return {
+            "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, a),
+            "broadcast": lambda: comm.Bcast(a, 0),
+            "reduce": lambda: comm.Reduce(MPI.IN_PLACE if rank == 0 else a, a if rank == 0 else None, MPI.SUM, 0),
+            "all_gather": lambda: comm.Allgather(a, b),
+            "reduce_scatter": lambda: comm.Reduce_scatter_block(a, b, MPI.SUM),
+            "gather": lambda: comm.Gather(a, b, 0),
+            "scatter": lambda: comm.Scatter(a, b, 0),
+            "all_to_all": lambda: comm.Alltoall(a, b),
+            "all_to_allv": lambda: comm.Alltoallv([a, counts, displs, MPI.FLOAT], [b, counts, displs, MPI.FLOAT]),
+            "p2p": (lambda t, peer: comm.Send(a, peer), lambda t, peer: comm.Recv(a, peer)),
+        }
 
     def unsupported(self, op, dtype, reduce_op, device):
         if dtype not in self.move_types:

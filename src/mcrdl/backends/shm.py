@@ -159,6 +159,7 @@ class ShmBackend(Backend):
     devices = frozenset({"cpu"})
     ops = frozenset({"all_reduce"})
     async_calls = False  # (DDP's bucket all-reduces during backward: 0.89x MPI's step, docs/backends.md)
+    raw_ops = frozenset({"all_reduce"})
 
     @classmethod
     def unavailable_reason(cls, ctx: Context) -> Optional[str]:
@@ -247,6 +248,12 @@ class ShmBackend(Backend):
 
     def new_group(self, ranks, group_rank, store, timeout):
         return None  # (the world's: the library's one channel)
+
+    def raw_calls(self, h, inp, out, part):
+        """The library's all-reduce itself on the caller's thread (its shared memory mapped first)."""
+        if not self._ready:
+            self._set_up(torch.zeros(1))  # (collective: every rank's bench makes its calls alike)
+        return {"all_reduce": lambda: self.lib.all_reduce(inp)}
 
     # -- running ops ----------------------------------------------------------
     def _run(self, tensor: torch.Tensor) -> None:

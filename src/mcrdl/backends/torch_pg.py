@@ -323,6 +323,7 @@ class GlooBackend(TorchBackend):
         super().__init__(ctx)
         if not torch.cuda.is_available():
             self.devices = frozenset({"cpu"})
+        self.raw_group = False  # raw_calls made torch.distributed's default group
 
     def unsupported(self, op, dtype, reduce_op, device):
         if dtype == torch.int16:
@@ -333,6 +334,42 @@ class GlooBackend(TorchBackend):
 
     def _make_pg(self, store, group_rank, size, timeout):
         return dist.ProcessGroupGloo(store, group_rank, size, timeout)
+
+    raw_ops = frozenset({"all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "gather",
+                         "scatter", "all_to_all", "all_to_allv", "p2p"})
+
+    def raw_calls(self, h, inp, out, part):
+        """``torch.distributed``'s own calls on a gloo default group of its own
+        (made on mcrdl's store at the first, destroyed at shutdown), as a PyTorch
+        user's code makes them; where the job made a default group, on that one."""
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.PrefixStore("raw-gloo/", self.ctx.store),
+                                    rank=self.ctx.rank, world_size=self.ctx.world_size,
+                                    timeout=timedelta(seconds=self.ctx.timeout))
+            self.raw_group = True
+        n, splits = self.ctx.world_size, [part] * self.ctx.world_size
+        # torch >= 2.13 names (the older ones warn there); torch < 2.13 has only the older
+        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        gathered = None if out is None else list(out.chunk(n))
+        scattered = None if inp is None else list(inp.chunk(n))
+        return {
+            "all_reduce": lambda: dist.all_reduce(inp),
+            "broadcast": lambda: dist.broadcast(inp, 0),
+            "reduce": lambda: dist.reduce(inp, 0),
+            "all_gather": lambda: all_gather(out, inp),
+            "reduce_scatter": lambda: reduce_scatter(out, inp),
+            "gather": lambda: dist.gather(inp, gathered, 0),
+            "scatter": lambda: dist.scatter(out, scattered, 0),
+            "all_to_all": lambda: dist.all_to_all_single(out, inp),
+            "all_to_allv": lambda: dist.all_to_all_single(out, inp, splits, splits),
+            "p2p": (dist.send, dist.recv),
+        }
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.raw_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class NCCLBackend(TorchBackend):
