@@ -30,7 +30,6 @@ STILL_NAMED = {
     ("model/cost.py", "mpi"): (3, "the model's fits measured on this machine's libraries (data)"),
     ("model/cost.py", "gloo"): (3, "the model's fits measured on this machine's libraries (data)"),
     ("model/cost.py", "nccl"): (1, "the model's fits measured on this machine's libraries (data)"),
-    ("model/cost.py", "shm"): (1, "the model's fits measured on this machine's libraries (data)"),
     ("workloads/common.py", "gloo"): (3, "the demo's single-library baselines (a PyTorch user's default)"),
     ("workloads/common.py", "mpi"): (1, "the demo's single-library baselines"),
     ("workloads/common.py", "mpi_staged"): (1, "the demo's single-library baselines (CUDA)"),

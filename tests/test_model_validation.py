@@ -18,6 +18,7 @@ from mcrdl.model.config import load_config
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 2
 TABLE = ROOT / "docs" / "results" / "tuning-2ranks.json"  # the jobs' tuning table
+BENCH = ROOT / "docs" / "results" / "bench-2ranks.json"  # mcrdl bench with that table
 
 
 def _logged(tmp_path, workload, *extra):
@@ -84,19 +85,20 @@ def test_calibrated_from_the_jobs_own_calls(tmp_path):
     calib = load_log(str(tmp_path / "log-megatron" / "calibration"))
     assert [[r["op"] for r in doc["records"]] for doc in calib] == [["all_reduce"] * 8] * 2
     # with the job's own table the model picks the backend the job ran on (without it, the
-    # fastest fit: on a loaded machine gloo's bench values could beat MPI's calibrated ones)
-    cost = CostModel.defaults()
+    # fastest fit: on a loaded machine gloo's bench values could beat MPI's calibrated ones);
+    # fitted to this machine's recorded bench, which has every library the table names (shm)
+    cost = CostModel.from_bench(str(BENCH))
     cost.calibrate(log, "the measured steps")
     cost.load_table(str(TABLE))
     (same,) = compare(cfg, log, cost, iterations=STEPS)
     assert same.pred_backend == same.meas_backend, same
     assert same.pred_s == pytest.approx(same.meas_comm_s, rel=1e-9)
-    cost = CostModel.defaults()
+    cost = CostModel.from_bench(str(BENCH))
     cost.calibrate(calib, "the calibration step")
     (later,) = compare(cfg, log, cost, iterations=STEPS)
     assert later.pred_count == later.meas_count == 8 * STEPS and later.pred_s > 0
-    # the model takes the fastest fit: MPI's, calibrated from that one step, unless the
-    # step ran slow enough (a loaded machine) that gloo's bench values beat it
+    # the model takes the fastest fit: the library the step ran on (shm here), calibrated
+    # from that one step, unless it ran slow enough (a loaded machine) that another beats it
     fits = {b: fit.time_us(131072, 2) for (op, b), fit in cost.fits.items() if op == "all_reduce"}
     assert later.pred_backend == min(fits, key=fits.get), (later, fits)
     assert later.pred_s == pytest.approx(8 * STEPS * fits[later.pred_backend] * 1e-6)

@@ -184,10 +184,8 @@ def make_fit(op: str, backend: str, sizes, times, group: int, source: str,
 #: given, fixed here: all_reduce medians of docs/results/allreduce_latency.json as
 #: committed in 06850a4 (2026-11-22T00:09, mcrdl on MPICH 5.0.2 and torch 2.13 gloo,
 #: 2 vCPUs); all_to_all: the 32 MB figures of DESIGN section 5, with the 4 B
-#: all-reduce latency for small messages; shm: its forced column of
-#: docs/results/bench-2ranks.json (2026-12-03T08:39).
+#: all-reduce latency for small messages.
 DEFAULT_POINTS = {
-    ("all_reduce", "shm"): [(4, 4.0), (1024, 4.3), (16384, 8.2), (262144, 56.4), (4194304, 1355.2)],
     ("all_reduce", "mpi"): [(4, 3.49), (1024, 3.56), (16384, 14.81), (262144, 44.69),
                             (4194304, 463.5)],
     ("all_reduce", "gloo"): [(4, 226.4), (1024, 960.1), (16384, 796.3), (262144, 960.1),
