@@ -3,6 +3,7 @@ their pure-Python fallback give the same answers on the same tensors, and the
 compiled module builds into an empty cache, is reused, and falls back when
 there is no compiler."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -264,7 +265,7 @@ def test_ranks_waiting_on_a_failed_build_do_not_compile_again(tmp_path):
 
 
 def test_beats_arrive_while_the_gil_is_held_and_stop_once_removed(compiled):
-    """The watchdog's beats (facts.cpp's Beats): every interval on each added socket,
+    """The watchdog's beats (csrc/beats.cpp's Beats): every interval on each added socket,
     also while this thread holds the GIL; none once the socket is removed or the
     beats stop; a bad interval names itself; in a forked child the methods do nothing."""
     import ctypes
@@ -318,7 +319,7 @@ def _locks():
 
 @pytest.mark.parametrize("make", _locks())
 def test_engine_lock_behaves_as_threading_rlock(make):
-    """facts.cpp's RLock (the engine's lock, which track() and finished() take without
+    """csrc/engine.cpp's RLock (the engine's lock, which track() and finished() take without
     a call) does what threading.RLock does, side by side: reentrant, owned by one
     thread, a timeout and a non-blocking try, the same errors, and what
     threading.Condition needs (a wait gives back every hold and takes them again)."""
@@ -422,3 +423,23 @@ def test_engine_lock_waits_without_the_gil_and_for_signal_handlers(compiled):
     out = subprocess.run([sys.executable, "-c", WAITS_WITHOUT_THE_GIL], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.splitlines() == ["took it after True", "interrupted: the handler ran"], out.stderr
+
+
+def test_the_compiled_module_is_every_csrc_file_and_each_keys_its_build(monkeypatch):
+    """csrc/module.cpp includes every other file of csrc/ (one translation unit,
+    one file per concern), and editing any of them builds the module anew."""
+    names = {n for n in os.listdir(facts.CSRC) if n.endswith(".cpp")} - {"module.cpp"}
+    with open(facts.SOURCE) as f:
+        included = re.findall(r'^#include "([^"]+)"$', f.read(), flags=re.M)
+    assert sorted(included) == sorted(names) and len(included) == len(set(included))
+    for name in names:
+        with open(os.path.join(facts.CSRC, name)) as f:
+            head = f.read(2000)
+        assert "Mirrors:" in head and "Covered by:" in head, name  # (what it stands for, which tests)
+    compiler = facts.cxx() or ["c++"]
+    before = facts.build_target(compiler)
+    real = facts.compiled.digest
+    for name in names:
+        monkeypatch.setattr(facts.compiled, "digest",
+                            lambda path, edited=name: real(path) + ("+" if path.endswith(edited) else ""))
+        assert facts.build_target(compiler) != before, name

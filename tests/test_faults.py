@@ -152,7 +152,7 @@ def test_a_busy_rank_is_not_taken_for_frozen(tmp_path, launcher):
     torch.save of 400 MB, 2 s asleep and 2 s in a call that holds the GIL (libc's
     sleep through ctypes.PyDLL) while rank 0 waits in an all_reduce; then rank 0
     holds its GIL for 2 s while rank 1 waits. The beats come from a thread that
-    never takes the GIL (facts.cpp's Beats), and each end reads what has arrived
+    never takes the GIL (csrc/beats.cpp's Beats), and each end reads what has arrived
     before it judges, so nobody is called frozen, under MPI's launcher and torchrun."""
     script = tmp_path / "busy.py"
     script.write_text(

@@ -37,7 +37,7 @@ def test_an_async_start_that_raises_fails_naming_op_backend_and_cause(driver):
 
 @pytest.mark.parametrize("driver", ["compiled", "python"])
 def test_an_async_op_the_library_fails_raises_naming_op_backend_and_cause(driver):
-    """On the compiled wait (facts.cpp's ``finished``) and the pure-Python one. A
+    """On the compiled wait (csrc/engine.cpp's ``finished``) and the pure-Python one. A
     failed MPI op makes rank 1 abort MPI at exit (docs/faults.md), which may end rank
     0 before it finishes: the exit status is not judged, the checks are."""
     env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}

@@ -84,7 +84,7 @@ def test_one_process_without_a_launcher():
 @pytest.mark.parametrize("default_backend,layer,launcher", [
     ("mpi", "compiled", "mpiexec"), ("gloo", "compiled", "torchrun"), ("gloo", "python", "mpiexec")])
 def test_torch_collectives_match_references(default_backend, layer, launcher):
-    """Both forms of the torch layer: facts.cpp's TorchMethods (under mcrdl run's
+    """Both forms of the torch layer: csrc/torch_method.cpp's TorchMethods (under mcrdl run's
     mpiexec and under torchrun), and the Python methods alone (MCRDL_NATIVE=0),
     which the compiled ones fall back to."""
     env = {"MCRDL_NATIVE": "0"} if layer == "python" else {}

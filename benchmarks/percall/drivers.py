@@ -1,5 +1,5 @@
 """What the compiled driver saves per call: every op on MPI through the
-compiled driver (facts.cpp's ``drive``) and through the pure-Python one
+compiled driver (csrc/driver.cpp's ``drive``) and through the pure-Python one
 (``ops.run``), against raw mpi4py, in one job, interleaved.
 
     mcrdl run -n 2 benchmarks/percall/drivers.py [--sizes 4,1K,64K] [--ops all_reduce,...]

@@ -1,5 +1,5 @@
 """Building and loading mcrdl's compiled helpers (backends/mpi_native.c,
-facts.cpp): each is compiled once per machine into a cache directory keyed by
+csrc/): each is compiled once per machine into a cache directory keyed by
 everything the binary depends on, then loaded from there.
 
 One process compiles while the others wait on a lock file (``flock``: the
@@ -27,6 +27,12 @@ def cache_dir() -> str:
     """``$MCRDL_CACHE``, else ``$XDG_CACHE_HOME/mcrdl`` or ``~/.cache/mcrdl``."""
     return settings.get("MCRDL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mcrdl")
+
+
+def digest(path: str) -> str:
+    """The sha256 of a file's bytes (a source a module includes, for its key)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def target(kind: str, module: str, source: str, depends_on: Iterable[str]) -> str:

@@ -4,7 +4,7 @@ the memory an async op touches, checked against every op in flight
 (work.py, program order): :func:`ranges`.
 
 These are the pure-Python versions. :func:`load` returns the same functions
-compiled from facts.cpp against the installed torch (one call, no attribute
+compiled from csrc/ against the installed torch (one call, no attribute
 reads from Python: 60-240 ns each here, 5 to 20 per call), built once per
 machine into mcrdl's cache (:mod:`mcrdl.compiled`), together with the
 compiled driver of calls that run from a plan (``drive``, see ops.py);
@@ -33,7 +33,9 @@ import torch
 from . import compiled, settings
 from .types import ReduceOp
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "facts.cpp")
+#: the compiled module's sources: csrc/module.cpp, which includes the others
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+SOURCE = os.path.join(CSRC, "module.cpp")
 MODULE = "mcrdl_facts"
 BUILD_TIMEOUT_S = 600
 
@@ -88,7 +90,7 @@ def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int, apart=None) -
     return base
 
 
-#: What a plan is keyed on (an op's ``recipe``; facts.cpp numbers them alike).
+#: What a plan is keyed on (an op's ``recipe``; csrc/tensor_facts.cpp numbers them alike).
 #: KEY: ``key(tensors[at])``; REDUCED: that, for a SUM that is not of bools
 #: (those are mapped: the general path); ROOTED: ``(key, fixed[0])`` for an int
 #: root; ROOTED_REDUCED: both; PAIRED: ``pair(tensors[1], tensors[0])``;
@@ -166,6 +168,14 @@ def cxx() -> Optional[list[str]]:
     return [found] if found else None
 
 
+def build_target(compiler: list[str]) -> str:
+    """The cached module's path: keyed by every file of csrc/, the compiler, torch and Python."""
+    parts = sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp"))
+    return compiled.target("facts", MODULE, SOURCE, (os.path.realpath(compiler[0]), torch.__version__,
+                                                     os.path.dirname(torch.__file__), sys.version,
+                                                     *map(compiled.digest, parts)))
+
+
 @functools.cache  # (module, status line), once per process
 def _load() -> tuple:
     here = sys.modules[__name__]
@@ -175,8 +185,7 @@ def _load() -> tuple:
     if compiler is None:
         return here, "no C++ compiler (set CXX): pure Python"
     root = os.path.dirname(torch.__file__)
-    target = compiled.target("facts", MODULE, SOURCE, (os.path.realpath(compiler[0]), torch.__version__, root,
-                                                       sys.version))
+    target = build_target(compiler)
     if not os.path.exists(target):
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         cmd = [*compiler, "-O2", "-shared", "-fPIC", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",

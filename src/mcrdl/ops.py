@@ -20,7 +20,7 @@ every op from that description, in one of two ways:
   or flat copies, map the reduction, select (debug fingerprint, size
   agreement, autotune), start, and wait or return a Work.
 
-The API calls the driver :func:`driver` returns: facts.cpp's ``drive``, the
+The API calls the driver :func:`driver` returns: csrc/driver.cpp's ``drive``, the
 compiled twin of :func:`run` for calls that have a plan (it hands the rest to
 :func:`run`, :func:`general`, :func:`planned` and :func:`blocked`), or
 :func:`run` itself where nothing is compiled.
@@ -251,7 +251,7 @@ def run(rt: Optional[Runtime], op: Op, group, async_op: bool, backend, tensors: 
 
 
 def driver() -> Callable:
-    """The driver calls go through: facts.cpp's ``drive`` (:func:`run` compiled
+    """The driver calls go through: csrc/driver.cpp's ``drive`` (:func:`run` compiled
     for the calls that run from a plan, handing every other call to it), or
     :func:`run` itself without the compiled facts (no compiler, MCRDL_NATIVE=0)."""
     global _plan_key, _key, _span_at

@@ -163,7 +163,7 @@ class Runtime:
     """Everything one initialised job holds. Created by
     :func:`mcrdl.init_process_group`, dropped by :func:`mcrdl.destroy_process_group`."""
 
-    # (facts.cpp's drive reads debug, engine, observer and world at their slots' offsets)
+    # (csrc/driver.cpp's drive reads debug, engine, observer and world at their slots' offsets)
     __slots__ = ("_abort_at_exit", "_failing_alike", "_group_count", "autotune", "backends", "control_backend",
                  "ctx", "debug", "default_backend", "dying", "engine", "groups", "health", "local_cpus",
                  "local_rank", "local_size", "logger", "mpi_comm", "mpi_missing", "observer", "rank", "recorder",

@@ -19,7 +19,7 @@ connections wait for their handshake at once, the oldest going first.
 
 Frozen peers (SIGSTOP, a node stuck in I/O or swapping) are found on the same
 connections: every :func:`beat_interval` each end sends ``beat`` from a thread
-of the compiled helpers that never takes the GIL (``Beats`` in facts.cpp; without
+of the compiled helpers that never takes the GIL (``Beats`` in csrc/beats.cpp; without
 them, from this thread), so a rank busy in a long compute step, Python loop,
 checkpoint write or a call that holds the GIL still beats. A rank not heard from
 for ``MCRDL_FROZEN_S`` seconds (default 15; 0: never) is reported frozen, by rank
@@ -52,7 +52,7 @@ def beat_interval(frozen_s: float) -> float:
 
 
 def _gil_free_beats(interval: float):
-    """facts.cpp's ``Beats`` (a thread that never takes the GIL), or None without the
+    """csrc/beats.cpp's ``Beats`` (a thread that never takes the GIL), or None without the
     compiled helpers (this module's thread beats then)."""
     from . import facts
 

@@ -287,7 +287,7 @@ RECEIVES = frozenset({"recv", "irecv"})
 
 
 def _finished(work: "Work", burst: int, turns: int) -> bool:
-    """facts.cpp's ``finished`` where compiled (its fast case of :meth:`Work.wait`);
+    """csrc/engine.cpp's ``finished`` where compiled (its fast case of :meth:`Work.wait`);
     here nothing is: the Python wait does it all."""
     return False
 
@@ -295,7 +295,7 @@ def _finished(work: "Work", burst: int, turns: int) -> bool:
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
-    # (facts.cpp's track() makes async MPI works from a plan and sets every slot, as
+    # (csrc/engine.cpp's track() makes async MPI works from a plan and sets every slot, as
     # __init__ does; finished() completes them as _finish does: a new slot goes there too)
     __slots__ = ("op", "backend", "group", "peer", "_engine", "_pending", "_post", "_reads", "_writes",
                  "_deadline", "_done", "_error", "_result", "_future", "_settled", "_spans", "_stream")
@@ -452,14 +452,14 @@ class Engine:
     caller never test the same MPI request at once; futures are completed
     outside it, since their callbacks may issue new operations."""
 
-    # (facts.cpp reads outstanding, lost, _lock and _domains at their slots' offsets)
+    # (csrc/engine.cpp reads outstanding, lost, _lock and _domains at their slots' offsets)
     __slots__ = ("outstanding", "_lock", "_abandoned", "on_failure", "_watched", "_watcher", "_arrived",
                  "_signalled", "_fresh", "_closing", "lost", "_ranges", "_domains")
 
     def __init__(self) -> None:
         compiled = facts.load()
         self.outstanding: list[Work] = []
-        # (facts.cpp's track() and finished() take only its own RLock: without it they leave the work to Python)
+        # (csrc/engine.cpp's track() and finished() take only its own RLock: without it they leave the work to Python)
         self._lock = threading.RLock() if compiled is facts else compiled.RLock()
         self._abandoned: list = []  # (pending, buffers) of requests that missed a deadline
         #: Told once of each work that timed out or that its library failed,

@@ -1,5 +1,5 @@
 """Every op through each of mcrdl's drivers, called again and again with fresh
-inputs, checked against local references: the API's own driver (facts.cpp's
+inputs, checked against local references: the API's own driver (csrc/driver.cpp's
 compiled ``drive`` where it built: its calls after the first run from the plan,
 with the compiled MPI starters called from C), the Python driver (``ops.run``,
 from the same plans) and the general path (``ops.general``, no plan), x dtypes x
@@ -184,7 +184,7 @@ for backend in args.backends or mcrdl.live_backends("cpu", ops=OPS):
                             work, checks = case(kw, dtype, numel, call)
                             if async_op and case is not send_recv:
                                 verdicts.check(tag + " returns a Work", isinstance(work, mcrdl.Work), "a Work", work)
-                                # (facts.cpp's track makes the API's from a plan: every slot Work.__init__ sets)
+                                # (csrc/engine.cpp's track makes the API's from a plan: every slot Work.__init__ sets)
                                 unset = [a for a in mcrdl.Work.__slots__ if not hasattr(work, a)]
                                 verdicts.check(tag + " has every slot set", not unset, [], unset)
                                 left = work._deadline - time.monotonic()  # (no group: 0 B, done at once)
@@ -204,7 +204,7 @@ for backend in args.backends or mcrdl.live_backends("cpu", ops=OPS):
 def born_done(tries: int = 20) -> int:
     """Small isends (eager) and irecvs of a message already here complete in their
     start: the compiled driver makes their Works done, never outstanding
-    (facts.cpp's start_async). Each must behave as a waited Work; how many
+    (csrc/driver.cpp's start_async). Each must behave as a waited Work; how many
     sends and receives were born done."""
     nxt, prv, born = (rank + 1) % world, (rank - 1) % world, 0
     for i in range(tries):
@@ -276,8 +276,8 @@ if "mpi" in (args.backends or mcrdl.live_backends("cpu", ops=OPS)):
     compiled = facts.load() is not facts  # (pure Python: every Work is outstanding until waited)
     verdicts.check("some sends and receives are born done on the compiled path only", (born > 0) == compiled,
                    "some" if compiled else 0, born)
-    # (track() and finished() take only facts.cpp's lock: with another, every async MPI work goes through Python)
-    verdicts.check("the engine's lock is facts.cpp's RLock where compiled",
+    # (track() and finished() take only csrc/engine.cpp's lock: with another, every async MPI work goes through Python)
+    verdicts.check("the engine's lock is csrc/engine.cpp's RLock where compiled",
                    type(engine._lock).__module__ == ("mcrdl_facts" if compiled else "_thread"),
                    "mcrdl_facts" if compiled else "_thread", type(engine._lock))
     verdicts.check("the lock guards async works on every path", lock_guards_async_works(), True, False)

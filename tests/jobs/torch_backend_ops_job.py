@@ -29,7 +29,7 @@ else:
 rank, world = dist.get_rank(), dist.get_world_size()
 check(dist.get_backend() == "mcrdl", "torch backend", dist.get_backend())
 check((rank, world) == (mcrdl.get_rank(), mcrdl.get_world_size()), "ranks agree")
-layer = {type(vars(tb.ProcessGroupMCRDL)["allreduce"]).__name__,  # TorchMethod: facts.cpp serves the common calls
+layer = {type(vars(tb.ProcessGroupMCRDL)["allreduce"]).__name__,  # TorchMethod: csrc/torch_method.cpp serves the common calls
          type(vars(tb.MCRDLTorchWork)["wait"]).__name__}
 check(len(layer) == 1, "the methods and the Work's wait in one form", layer)
 for method in (tb.ProcessGroupMCRDL.allreduce, tb.ProcessGroupMCRDL.send, tb.MCRDLTorchWork.wait,

@@ -320,7 +320,7 @@ static int counts_of(PyObject *seq, int size, int *counts, int *displs)
  * all_to_all_single also takes the output and input element counts per peer,
  * or two Nones for even rows) it reads their addresses, starts the op and
  * waits: DONE once complete, else its Request.
- * The compiled driver (facts.cpp's drive) calls `starter_start` (exported as
+ * The compiled driver (csrc/driver.cpp's drive) calls `starter_start` (exported as
  * the capsule `start`) with addresses it read itself: no Python per call. */
 enum kind { ALL_REDUCE, BROADCAST, REDUCE, ALL_GATHER, REDUCE_SCATTER, GATHER, SCATTER, ALL_TO_ALL, SEND, RECV };
 static const struct {
@@ -589,7 +589,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_mpi_native", NULL, -1, methods};
 
-/* The capsule `start` holds starter_start for facts.cpp's drive, which
+/* The capsule `start` holds starter_start for csrc/driver.cpp's drive, which
  * declares the same signature (typedef start_fn there). */
 PyMODINIT_FUNC PyInit_mcrdl_mpi_native(void)
 {

@@ -82,7 +82,7 @@ void all_reduce(torch::Tensor& data)
     sum_in_place(data);
 }
 
-// -- the blocking fast path's starter, which facts.cpp's drive() starts without Python
+// -- the blocking fast path's starter, which csrc/driver.cpp's drive() starts without Python
 // (adopt_starter): it runs the op here when the job's first op is done and nothing is
 // queued on the worker, else calls ``fallback`` (backends/shm.py's inline start).
 struct Starter {

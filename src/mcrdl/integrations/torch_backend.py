@@ -33,7 +33,7 @@ driver (:data:`mcrdl.api.run_op`, what the API's functions call, with the op's
 ``wait()`` drives mcrdl's progress engine and whose ``get_future()`` is
 completed by mcrdl's futures thread, as DDP requires. With mcrdl's compiled
 helpers loaded, the common calls of the ops torch calls most (:data:`_COMPILED`)
-and of ``MCRDLTorchWork.wait`` run in C (facts.cpp's ``TorchMethod``) and every
+and of ``MCRDLTorchWork.wait`` run in C (csrc/torch_method.cpp's ``TorchMethod``) and every
 other call in these methods.
 
 See docs/torch_backend.md for the supported ops and the limits.
@@ -264,7 +264,7 @@ class MCRDLTorchWork(dist.Work):
     __slots__ = ("_work", "_result", "_op", "__dict__")  # (the three every Work sets need no dict)
     _future: Optional[torch.futures.Future] = None  # made by get_future()
 
-    def __init__(self, work, result, op: str):  # (facts.cpp's TorchMethod makes one alike, without this frame)
+    def __init__(self, work, result, op: str):  # (csrc/torch_method.cpp's TorchMethod makes one alike, without this frame)
         dist.Work.__init__(self)
         self._work = work  # mcrdl Work, or None when the op already completed
         self._result = result
@@ -313,7 +313,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     ``rank``/``size`` are torch's group rank and size; roots and peers torch
     passes (group ranks) are mapped to mcrdl's global ranks."""
 
-    # (facts.cpp's TorchMethod reads _g and _coalescing at their slots' offsets; torch may set others)
+    # (csrc/torch_method.cpp's TorchMethod reads _g and _coalescing at their slots' offsets; torch may set others)
     __slots__ = ("_g", "_owns_mcrdl", "_coalescing", "_group_name", "_group_desc", "__dict__")
 
     def __init__(self, group: Group, rank: int, size: int, owns_mcrdl: bool = False):
@@ -614,7 +614,7 @@ def _run_outside_dynamo(*classes) -> None:
 
 _run_outside_dynamo(ProcessGroupMCRDL, MCRDLTorchWork)
 
-#: The methods facts.cpp's TorchMethod serves (its kinds, in order) and their ops;
+#: The methods csrc/torch_method.cpp's TorchMethod serves (its kinds, in order) and their ops;
 #: MCRDLTorchWork.wait is its next kind (T_WAIT).
 _COMPILED = (("allreduce", ops.ALL_REDUCE), ("broadcast", ops.BROADCAST),
              ("all_gather_single", ops.ALL_GATHER_INTO_TENSOR),
@@ -624,7 +624,7 @@ _COMPILED = (("allreduce", ops.ALL_REDUCE), ("broadcast", ops.BROADCAST),
 
 @functools.cache  # once per process, after mcrdl's init has set the compiled driver up
 def _compile_methods() -> bool:
-    """Serve the common calls of :data:`_COMPILED`'s methods from facts.cpp
+    """Serve the common calls of :data:`_COMPILED`'s methods from csrc/torch_method.cpp
     (``TorchMethod``: torch's options read in C++, the driver called without a
     Python frame); every other call still runs the Python method, which the
     compiled one falls back to. False without the compiled facts."""

@@ -1,0 +1,530 @@
+// The engine's compiled parts: RLock (work.py's engine lock, taken without the GIL
+// while it waits and without a call by track() and finished()), track() (Engine.run
+// for an op started from its plan: its Work made and made outstanding), clear_of()
+// (Engine.order_before's common case), finished() (Work.wait()'s common case on MPI),
+// adopt() (what those read of work.py and of MPI's compiled starter).
+// Mirrors: work.py (Engine.run, Engine.order_before, Work.wait, Work._finish).
+// Covered by: tests/test_facts.py (the lock), tests/test_order_checks.py,
+// tests/test_hazards.py, tests/test_collectives.py (async forms on both builds).
+
+// ---------------------------------------------------------------- the engine's lock
+// RLock(): threading.RLock (reentrant, owned by the thread that took it, taken
+// without the GIL while it waits), which track() and finished() take and give
+// back without a call: CPython's RLock.acquire parses its arguments on every
+// call, and an async op takes the lock twice. It has what threading.Condition uses (_is_owned,
+// _release_save, _acquire_restore). owner and count change only under the GIL.
+struct RLock {
+    PyObject_HEAD
+    PyThread_type_lock mutex;
+    unsigned long owner, count;
+};
+
+// Wait up to ``timeout`` µs (-1: forever) for the mutex, without the GIL,
+// running signal handlers when a signal interrupts the wait; false on a
+// timeout, false with an error if a handler raised.
+bool wait_for(PyThread_type_lock mutex, long long timeout)
+{
+    if (PyThread_acquire_lock_timed(mutex, 0, 0) == PY_LOCK_ACQUIRED)
+        return true;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long deadline = now.tv_sec * 1000000LL + now.tv_nsec / 1000 + timeout;
+    while (timeout != 0) {
+        PyLockStatus got;
+        Py_BEGIN_ALLOW_THREADS
+        got = PyThread_acquire_lock_timed(mutex, timeout, 1);
+        Py_END_ALLOW_THREADS
+        if (got != PY_LOCK_INTR)
+            return got == PY_LOCK_ACQUIRED;
+        if (Py_MakePendingCalls() < 0)
+            return false;
+        if (timeout > 0) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            timeout = std::max(0LL, deadline - (now.tv_sec * 1000000LL + now.tv_nsec / 1000));
+        }
+    }
+    return PyThread_acquire_lock_timed(mutex, 0, 0) == PY_LOCK_ACQUIRED;
+}
+
+// Take ``lock`` for this thread, waiting up to ``timeout`` µs (-1: forever).
+bool take(RLock *lock, long long timeout = -1)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    if (lock->count > 0 && lock->owner == me) {
+        if (lock->count == ULONG_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "RLock: taken too many times");
+            return false;
+        }
+        lock->count++;
+        return true;
+    }
+    if (!wait_for(lock->mutex, timeout))
+        return false;
+    lock->owner = me;
+    lock->count = 1;
+    return true;
+}
+
+// Give ``lock`` back once; false with an error if this thread does not hold it.
+bool give(RLock *lock)
+{
+    if (lock->count == 0 || lock->owner != PyThread_get_thread_ident()) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return false;
+    }
+    if (--lock->count == 0) {
+        lock->owner = 0;
+        PyThread_release_lock(lock->mutex);
+    }
+    return true;
+}
+
+PyObject *rlock_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "RLock() takes no arguments");
+        return nullptr;
+    }
+    auto *self = reinterpret_cast<RLock *>(type->tp_alloc(type, 0));
+    if (self != nullptr && (self->mutex = PyThread_allocate_lock()) == nullptr) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    return reinterpret_cast<PyObject *>(self);
+}
+
+void rlock_dealloc(RLock *self)
+{
+    if (self->mutex != nullptr) {
+        if (self->count > 0)
+            PyThread_release_lock(self->mutex);
+        PyThread_free_lock(self->mutex);
+    }
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
+}
+
+// acquire(blocking=True, timeout=-1): as threading.RLock's.
+PyObject *rlock_acquire(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    int blocking = 1;
+    double seconds = -1;
+    static const char *names[] = {"blocking", "timeout", nullptr};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|pd:acquire", const_cast<char **>(names), &blocking, &seconds))
+        return nullptr;
+    if (!blocking && seconds != -1) {
+        PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+        return nullptr;
+    }
+    if (std::isnan(seconds)) {
+        PyErr_SetString(PyExc_ValueError, "Invalid value NaN (not a number)");
+        return nullptr;
+    }
+    if (seconds < 0 && seconds != -1) {
+        PyErr_SetString(PyExc_ValueError, "timeout value must be positive");
+        return nullptr;
+    }
+    if (seconds > static_cast<double>(PY_TIMEOUT_MAX) / 1e6) {
+        PyErr_SetString(PyExc_OverflowError, "timeout value is too large");
+        return nullptr;
+    }
+    long long timeout = !blocking ? 0 : seconds < 0 ? -1 : static_cast<long long>(std::ceil(seconds * 1e6));
+    if (take(reinterpret_cast<RLock *>(self), timeout))
+        Py_RETURN_TRUE;
+    return PyErr_Occurred() ? nullptr : Py_NewRef(Py_False);
+}
+
+PyObject *rlock_enter(PyObject *self, PyObject *)
+{
+    return take(reinterpret_cast<RLock *>(self)) ? Py_NewRef(Py_True) : nullptr;
+}
+
+PyObject *rlock_release(PyObject *self, PyObject *)
+{
+    return give(reinterpret_cast<RLock *>(self)) ? Py_NewRef(Py_None) : nullptr;
+}
+
+PyObject *rlock_exit(PyObject *self, PyObject *const *, Py_ssize_t)
+{
+    return rlock_release(self, nullptr);
+}
+
+PyObject *rlock_is_owned(PyObject *self, PyObject *)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    return PyBool_FromLong(lock->count > 0 && lock->owner == PyThread_get_thread_ident());
+}
+
+// _release_save(): given back however often it was taken; (count, owner) for _acquire_restore.
+PyObject *rlock_release_save(PyObject *self, PyObject *)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    if (lock->count == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+        return nullptr;
+    }
+    PyObject *state = Py_BuildValue("(kk)", lock->count, lock->owner);
+    if (state == nullptr)
+        return nullptr;
+    lock->count = 0;
+    lock->owner = 0;
+    PyThread_release_lock(lock->mutex);
+    return state;
+}
+
+PyObject *rlock_acquire_restore(PyObject *self, PyObject *state)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    unsigned long count, owner;
+    if (!PyArg_ParseTuple(state, "kk:_acquire_restore", &count, &owner))
+        return nullptr;
+    if (PyThread_acquire_lock(lock->mutex, NOWAIT_LOCK) == 0) { // (no signal ends this wait: as CPython's)
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(lock->mutex, WAIT_LOCK);
+        Py_END_ALLOW_THREADS
+    }
+    lock->owner = owner;
+    lock->count = count;
+    Py_RETURN_NONE;
+}
+
+PyObject *rlock_repr(PyObject *self)
+{
+    auto *lock = reinterpret_cast<RLock *>(self);
+    return PyUnicode_FromFormat("<%s mcrdl_facts.RLock owner=%lu count=%lu at %p>",
+                                lock->count ? "locked" : "unlocked", lock->owner, lock->count, self);
+}
+
+PyMethodDef rlock_methods[] = {
+    {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rlock_acquire)),
+     METH_VARARGS | METH_KEYWORDS, "acquire(blocking=True, timeout=-1): as threading.RLock's"},
+    {"release", rlock_release, METH_NOARGS, "release(): once (RuntimeError if this thread does not hold it)"},
+    {"__enter__", rlock_enter, METH_NOARGS, nullptr},
+    {"__exit__", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(rlock_exit)), METH_FASTCALL, nullptr},
+    {"_is_owned", rlock_is_owned, METH_NOARGS, nullptr},
+    {"_release_save", rlock_release_save, METH_NOARGS, nullptr},
+    {"_acquire_restore", rlock_acquire_restore, METH_O, nullptr},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyTypeObject RLockType = [] {
+    PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "mcrdl_facts.RLock";
+    t.tp_basicsize = sizeof(RLock);
+    t.tp_flags = Py_TPFLAGS_DEFAULT;
+    t.tp_doc = "RLock(): threading.RLock, which compiled code takes without a call";
+    t.tp_new = rlock_new;
+    t.tp_dealloc = reinterpret_cast<destructor>(rlock_dealloc);
+    t.tp_repr = rlock_repr;
+    t.tp_methods = rlock_methods;
+    return t;
+}();
+
+// What track() and finished() read: Work's slots (their offsets, from its
+// member descriptors), the MPI Request type and work.RECEIVES; set by adopt().
+struct WorkSlots {
+    PyTypeObject *type = nullptr, *request = nullptr;
+    PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
+    PyObject *s_domains = nullptr, *s_test = nullptr, *s_domain = nullptr;
+    Py_ssize_t op, engine, pending, post, done, error, future, stream, backend, group, peer, reads, writes, deadline,
+        result, settled, spans;
+} W;
+
+inline PyObject *&slot(PyObject *o, Py_ssize_t offset) { return *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(o) + offset); }
+
+inline void put(PyObject *o, Py_ssize_t offset, PyObject *value)
+{
+    Py_INCREF(value);
+    Py_XSETREF(slot(o, offset), value);
+}
+
+// An address kept as a Python int (ranges()'s): PyLong_AsSize_t reads its
+// digits in a loop, where PyLong_AsUnsignedLongLong goes through a byte array
+// for every value over 2**30, as every address is.
+size_t address(PyObject *o)
+{
+    return PyLong_AsSize_t(o);
+}
+
+// Do two lists of ranges (ranges()'s third item) conflict: a byte of one
+// device in both, one of the two writing it (work.py's _conflict)? -1 on an error.
+int conflict(PyObject *mine, PyObject *theirs)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(mine); i++) {
+        PyObject *a = PyList_GET_ITEM(mine, i);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(theirs); j++) {
+            PyObject *b = PyList_GET_ITEM(theirs, j);
+            size_t s1 = address(PyTuple_GET_ITEM(a, 1)), e1 = address(PyTuple_GET_ITEM(a, 2)),
+                   s2 = address(PyTuple_GET_ITEM(b, 1)), e2 = address(PyTuple_GET_ITEM(b, 2));
+            if (PyErr_Occurred())
+                return -1;
+            if (!(s1 < e2 && s2 < e1) || (PyTuple_GET_ITEM(a, 3) != Py_True && PyTuple_GET_ITEM(b, 3) != Py_True))
+                continue;
+            int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(a, 0), PyTuple_GET_ITEM(b, 0), Py_EQ);
+            if (same != 0)
+                return same;
+        }
+    }
+    return 0;
+}
+
+// clear_of(engine, reads, writes): Engine.order_before's common case compiled:
+// the new op's ranges when no outstanding work's tensors conflict with its
+// own (each work's ranges computed once and kept in it, as order_before
+// does). None: order_before decides (a conflict, which it waits for and
+// names if it failed; a tensor only facts.ranges reads; a work not Work; no
+// Work adopted, as in a process without MPI).
+PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
+{
+    if (W.type == nullptr) // (Work not adopted: no MPI in this process)
+        Py_RETURN_NONE;
+    PyObject *mine_args[2] = {reads, writes};
+    THPObjectPtr mine(ranges(nullptr, mine_args, 2));
+    if (!mine || mine.get() == Py_None)
+        return mine.release();
+    // (the list itself, not a copy: only keeping a work's ranges allocates, so
+    // only then can a finalizer run Python code that lets another thread
+    // change the list; the walk then starts again)
+    THPObjectPtr works(get(engine, a_outstanding));
+    if (!works)
+        return nullptr;
+    if (!PyList_CheckExact(works.get()))
+        Py_RETURN_NONE;
+    size_t low = address(PyTuple_GET_ITEM(mine.get(), 0)), high = address(PyTuple_GET_ITEM(mine.get(), 1));
+    if (PyErr_Occurred())
+        return nullptr;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(works.get()); i++) {
+        PyObject *work = PyList_GET_ITEM(works.get(), i);
+        if (!PyObject_TypeCheck(work, W.type))
+            Py_RETURN_NONE;
+        if (slot(work, W.done) == Py_True)
+            continue;
+        PyObject *spans = slot(work, W.spans);
+        if (spans == nullptr || spans == Py_None) { // (a work started with nothing outstanding)
+            THPObjectPtr held(Py_NewRef(work));
+            PyObject *reads_of = slot(work, W.reads), *writes_of = slot(work, W.writes);
+            if (reads_of == nullptr || writes_of == nullptr)
+                Py_RETURN_NONE;
+            PyObject *their_args[2] = {reads_of, writes_of};
+            THPObjectPtr theirs(ranges(nullptr, their_args, 2));
+            if (!theirs || theirs.get() == Py_None)
+                return theirs.release();
+            put(held.get(), W.spans, theirs.get());
+            if (slot(held.get(), W.spans) != theirs.get())
+                Py_RETURN_NONE;
+            i = -1; // (that allocated: a finalizer may have changed the list, so walk it again)
+            continue;
+        }
+        size_t start = address(PyTuple_GET_ITEM(spans, 0)), end = address(PyTuple_GET_ITEM(spans, 1));
+        if (PyErr_Occurred())
+            return nullptr;
+        if (!(low < end && start < high))
+            continue;
+        int hit = conflict(PyTuple_GET_ITEM(mine.get(), 2), PyTuple_GET_ITEM(spans, 2));
+        if (hit != 0)
+            return hit < 0 ? nullptr : Py_NewRef(Py_None);
+    }
+    return mine.release();
+}
+
+// track(engine, g, name, backend, pending, reads, writes, result, spans, peer, done):
+// Engine.run for a started async op, compiled: its Work, made here with every
+// slot Work.__init__ sets, added to the engine's outstanding works (and its
+// library to the engine's progress domains) under the engine's lock. ``done``:
+// the op completed in its start (an MPI request its first test found done):
+// its Work is made as finished() leaves one, and no other thread ever sees it
+// outstanding. None: Work is not adopted, the engine's lock is not an RLock
+// of this module, or a member of the group died meanwhile: Engine.run's turn.
+PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend, PyObject *pending, PyObject *reads,
+                PyObject *writes, PyObject *result, PyObject *spans, PyObject *peer, bool done)
+{
+    // (a death noted refuses new work, but not one already done: as Engine.block)
+    int lost = W.type == nullptr ? 1 : done ? 0 : truth(engine, a_lost);
+    if (lost != 0)
+        return lost < 0 ? nullptr : Py_NewRef(Py_None);
+    THPObjectPtr lock(done ? nullptr : get(engine, a_lock));
+    if (!done && !lock)
+        return nullptr;
+    if (!done && Py_TYPE(lock.get()) != &RLockType)
+        Py_RETURN_NONE;
+    THPObjectPtr timeout(get(g, a_timeout));
+    double seconds = timeout ? PyFloat_AsDouble(timeout.get()) : -1.0;
+    if (seconds == -1.0 && PyErr_Occurred())
+        return nullptr;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now); // (time.monotonic()'s clock)
+    THPObjectPtr deadline(PyFloat_FromDouble(static_cast<double>(now.tv_sec) + now.tv_nsec * 1e-9 + seconds));
+    THPObjectPtr domain(deadline && !done ? PyObject_GetAttr(pending, W.s_domain) : nullptr);
+    THPObjectPtr work(domain || (deadline && done) ? W.type->tp_alloc(W.type, 0) : nullptr);
+    if (!work)
+        return nullptr;
+    PyObject *o = work.get();
+    int receive = done ? PySet_Contains(W.receives, name) : 1;
+    if (receive < 0)
+        return nullptr;
+    struct { Py_ssize_t at; PyObject *value; } slots[] = {
+        {W.op, name}, {W.backend, backend}, {W.group, g}, {W.peer, peer}, {W.engine, engine},
+        {W.pending, receive ? pending : Py_None}, // (a receive's request still names its sender)
+        {W.post, W.empty}, {W.reads, reads}, {W.writes, writes}, {W.deadline, deadline.get()},
+        {W.done, done ? Py_True : Py_False}, {W.error, Py_None}, {W.result, result}, {W.future, Py_None},
+        {W.settled, Py_False}, {W.spans, spans}, {W.stream, Py_None}};
+    for (auto &entry : slots)
+        put(o, entry.at, entry.value);
+    if (done)
+        return work.release();
+    auto *held = reinterpret_cast<RLock *>(lock.get());
+    if (!take(held))
+        return nullptr;
+    bool ok = true;
+    if (domain.get() != Py_None) { // (the set is replaced, never mutated: readers take it without the lock)
+        THPObjectPtr domains(get(engine, a_domains));
+        int known = domains ? PySet_Contains(domains.get(), domain.get()) : -1;
+        if (known == 0) {
+            THPObjectPtr one(PyFrozenSet_New(nullptr));
+            ok = one && PySet_Add(one.get(), domain.get()) == 0;
+            THPObjectPtr more(ok ? PyNumber_Or(domains.get(), one.get()) : nullptr);
+            ok = more && PyObject_SetAttr(engine, W.s_domains, more.get()) == 0;
+        } else
+            ok = known == 1;
+    }
+    THPObjectPtr outstanding(ok ? get(engine, a_outstanding) : nullptr);
+    ok = outstanding && PyList_Append(outstanding.get(), o) == 0;
+    if (!give(held) || !ok)
+        return nullptr;
+    return work.release();
+}
+
+// finished(work, burst, turns): Work.wait()'s common case compiled: an
+// untimed wait for a work whose request is an MPI Request, MPI the only
+// library ever outstanding, no future, no completion steps, and the engine's
+// lock an RLock of this module. It makes up to
+// ``turns`` turns of ``burst`` tests under the engine's lock, as the Python
+// wait's first polls do (Engine._test_one); complete, it takes the work out of
+// the engine and marks it done as Work._finish does (True). False: not done
+// by then, or another case; the Python wait goes on from where this left it.
+// What a test raises (the library failed) raises here; the caller retires the
+// work with it. finish() is its body: 1 (done), 0 (not, or another case), -1 (an error).
+int finish(PyObject *work, long burst, long turns)
+{
+    if (W.type == nullptr || !PyObject_TypeCheck(work, W.type))
+        return 0;
+    PyObject *pending = slot(work, W.pending), *post = slot(work, W.post), *engine = slot(work, W.engine);
+    if (pending == nullptr || Py_TYPE(pending) != W.request || engine == nullptr || post == nullptr
+        || !((PyTuple_CheckExact(post) && PyTuple_GET_SIZE(post) == 0)
+             || (PyList_CheckExact(post) && PyList_GET_SIZE(post) == 0)))
+        return 0;
+    THPObjectPtr domains(get(engine, a_domains));
+    if (!domains)
+        return -1;
+    if (!PyFrozenSet_CheckExact(domains.get()) || PySet_GET_SIZE(domains.get()) != 1)
+        return 0;
+    int mpi_only = PySet_Contains(domains.get(), W.domain);
+    if (mpi_only <= 0)
+        return mpi_only;
+    THPObjectPtr lock(get(engine, a_lock));
+    if (!lock)
+        return -1;
+    if (Py_TYPE(lock.get()) != &RLockType)
+        return 0;
+    auto *held = reinterpret_cast<RLock *>(lock.get());
+    Py_INCREF(pending);
+    THPObjectPtr own(pending); // (another thread may finish the work and drop it between turns)
+    for (long turn = 0; turn < turns; turn++) {
+        if (!take(held))
+            return -1;
+        if (slot(work, W.done) != Py_False || slot(work, W.pending) != pending || slot(work, W.future) != Py_None) {
+            bool clean = slot(work, W.done) == Py_True && slot(work, W.error) == Py_None
+                         && slot(work, W.stream) == Py_None; // (finished by another thread)
+            return give(held) ? clean : -1;
+        }
+        int complete = 0;
+        for (long i = 0; i < burst && complete == 0; i++) {
+            THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &pending, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+            complete = tested ? PyObject_IsTrue(tested.get()) : -1;
+        }
+        if (complete == 0) {
+            if (!give(held))
+                return -1;
+            continue;
+        }
+        THPObjectPtr outstanding(complete == 1 ? get(engine, a_outstanding) : nullptr);
+        int receive = outstanding ? PySet_Contains(W.receives, slot(work, W.op)) : -1;
+        if (receive < 0) {
+            give(held);
+            return -1;
+        }
+        if (PyList_CheckExact(outstanding.get()))
+            for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outstanding.get()); i++)
+                if (PyList_GET_ITEM(outstanding.get(), i) == work) {
+                    if (PyList_SetSlice(outstanding.get(), i, i + 1, nullptr) < 0) {
+                        give(held);
+                        return -1;
+                    }
+                    break;
+                }
+        put(work, W.stream, Py_None); // (an MPI Request's results are in place: no stream)
+        put(work, W.error, Py_None);
+        put(work, W.done, Py_True);
+        if (!receive) // (a receive's request still names its sender)
+            put(work, W.pending, Py_None);
+        put(work, W.post, W.empty);
+        return give(held) ? 1 : -1;
+    }
+    return 0;
+}
+
+PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs("finished", n, 3))
+        return nullptr;
+    long burst = PyLong_AsLong(args[1]), turns = PyLong_AsLong(args[2]);
+    if ((burst == -1 || turns == -1) && PyErr_Occurred())
+        return nullptr;
+    int done = finish(args[0], burst, turns);
+    return done < 0 ? nullptr : Py_NewRef(done ? Py_True : Py_False);
+}
+
+// adopt(Starter, start capsule, Request, Work, RECEIVES): the compiled MPI
+// starters drive() calls directly, and what finished() needs to complete
+// their requests' works.
+PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
+{
+    if (!nargs("adopt", n, 5))
+        return nullptr;
+    if (PyCapsule_GetPointer(args[1], "mcrdl_mpi_native.start") == nullptr)
+        return nullptr;
+    if (!PyType_Check(args[0]) || !PyType_Check(args[2]) || !PyType_Check(args[3]) || !PyFrozenSet_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "adopt: the Starter type, its start capsule, the Request and Work types "
+                                         "and a frozenset of receives");
+        return nullptr;
+    }
+    auto *work = reinterpret_cast<PyTypeObject *>(args[3]);
+    WorkSlots w;
+    if ((w.op = offset_of(work, "op")) < 0 || (w.engine = offset_of(work, "_engine")) < 0
+        || (w.pending = offset_of(work, "_pending")) < 0 || (w.post = offset_of(work, "_post")) < 0
+        || (w.done = offset_of(work, "_done")) < 0 || (w.error = offset_of(work, "_error")) < 0
+        || (w.future = offset_of(work, "_future")) < 0 || (w.stream = offset_of(work, "_stream")) < 0
+        || (w.backend = offset_of(work, "backend")) < 0 || (w.group = offset_of(work, "group")) < 0
+        || (w.peer = offset_of(work, "peer")) < 0 || (w.reads = offset_of(work, "_reads")) < 0
+        || (w.writes = offset_of(work, "_writes")) < 0 || (w.deadline = offset_of(work, "_deadline")) < 0
+        || (w.result = offset_of(work, "_result")) < 0 || (w.settled = offset_of(work, "_settled")) < 0
+        || (w.spans = offset_of(work, "_spans")) < 0)
+        return nullptr;
+    struct { PyObject **s; const char *text; } names[] = {
+        {&w.s_domains, "_domains"},
+        {&w.s_test, "test"}, {&w.domain, "mpi"}, {&w.s_domain, "progress_domain"}};
+    for (auto &entry : names)
+        if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
+            return nullptr;
+    if ((w.empty = W.empty != nullptr ? W.empty : PyTuple_New(0)) == nullptr)
+        return nullptr;
+    // (each kept for the process's life, as the module is)
+    if (!add_starter(args[0], args[1]))
+        return nullptr;
+    for (int i : {2, 3, 4})
+        Py_INCREF(args[i]);
+    w.request = reinterpret_cast<PyTypeObject *>(args[2]);
+    w.type = work;
+    w.receives = args[4];
+    W = w;
+    Py_RETURN_NONE;
+}
