@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -443,3 +444,20 @@ def test_the_compiled_module_is_every_csrc_file_and_each_keys_its_build(monkeypa
         monkeypatch.setattr(facts.compiled, "digest",
                             lambda path, edited=name: real(path) + ("+" if path.endswith(edited) else ""))
         assert facts.build_target(compiler) != before, name
+
+
+def test_a_compiled_module_without_a_binding_is_refused_by_name(compiled):
+    """Python and C are bound by name: a build that lacks a binding, or numbers
+    the plan recipes otherwise, is an error naming it at load, not a silent
+    pure-Python fallback; TorchMethod is made for a method by its name."""
+    facts.check_bindings(compiled, "built")  # (the real module passes)
+    lacking = types.SimpleNamespace(**{n: getattr(compiled, n) for n in facts.BINDINGS if n != "drive"})
+    with pytest.raises(RuntimeError, match=r"built: the compiled module lacks drive \(csrc/ and facts.BINDINGS"):
+        facts.check_bindings(lacking, "built")
+    swapped = types.SimpleNamespace(**{n: getattr(compiled, n) for n in facts.BINDINGS})
+    swapped.RECIPES = ("REDUCED", "KEY", *facts.RECIPES[2:])
+    with pytest.raises(RuntimeError, match="the compiled recipes are"):
+        facts.check_bindings(swapped, "built")
+    assert "allreduce" in compiled.TORCH_METHODS and "wait" in compiled.TORCH_METHODS
+    with pytest.raises(ValueError, match="no compiled form of method 'allgather_coalesced'"):
+        compiled.TorchMethod(None, "allgather_coalesced", len, {}, object, len, {}, object)

@@ -52,6 +52,13 @@ def _cmd_info(args) -> int:
         console.print(f"torch {torch.__version__}, mpi4py {mpi4py.__version__}, Python {sys.version.split()[0]}")
         from . import facts
         console.print(f"fast-path tensor checks: {facts.status()}")
+        if facts.load() is not facts:
+            console.print("compiled in place of Python in this job (MCRDL_NATIVE=0 runs the Python):")
+            for python, native in facts.IN_PLACE.items():
+                console.print(f"  {python}: {native}", highlight=False)
+            console.print("  on torch.distributed's \"mcrdl\" backend also: ProcessGroupMCRDL."
+                          f"{', .'.join(m for m in facts.load().TORCH_METHODS if m != 'wait')} and "
+                          "MCRDLTorchWork.wait: TorchMethod (csrc/torch_method.cpp)", highlight=False)
         from .backends import REGISTRY
         for name, cls in REGISTRY.items():  # (each builds its compiled part here: set-up runs this)
             for line in cls.info_lines(name in versions):

@@ -95,7 +95,8 @@ def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int, apart=None) -
 #: (those are mapped: the general path); ROOTED: ``(key, fixed[0])`` for an int
 #: root; ROOTED_REDUCED: both; PAIRED: ``pair(tensors[1], tensors[0])``;
 #: PAIRED_REDUCED: that, for a SUM not of bools; P2P: ``(key, peer, tag)`` for int ones.
-KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P = range(7)
+RECIPES = ("KEY", "REDUCED", "ROOTED", "ROOTED_REDUCED", "PAIRED", "PAIRED_REDUCED", "P2P")
+KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P = range(len(RECIPES))
 _SUM = ReduceOp.SUM
 
 
@@ -198,6 +199,46 @@ def _load() -> tuple:
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             return here, f"build failed ({str(exc).splitlines()[0][:200]}): pure Python"
     try:
-        return compiled.load(MODULE, target), f"compiled ({target})"
+        module = compiled.load(MODULE, target)
     except ImportError as exc:
         return here, f"cannot load {target} ({exc}): pure Python"
+    check_bindings(module, target)
+    return module, f"compiled ({target})"
+
+
+#: What the compiled module provides, by name, and the Python each stands in for:
+#: a build that lacks one, or numbers the recipes otherwise, is refused at load (an
+#: error naming it, never a silent pure-Python fallback). ``mcrdl info`` prints them.
+BINDINGS = {
+    "key": "facts.key", "pair": "facts.pair", "plan_key": "facts.plan_key", "span": "facts.span",
+    "ranges": "facts.ranges",
+    "drive": "ops.run as api.run_op, the driver every API call goes through (calls from a plan)",
+    "setup": "what drive reads, given by ops.driver",
+    "finished": "work._finished, Work.wait's common case",
+    "adopt": "MPI's compiled starters and Request type, which drive and finished use",
+    "adopt_starter": "another backend's compiled starter, which drive starts (shm's)",
+    "RLock": "threading.RLock as the engine's lock",
+    "Beats": "the watchdog's heartbeat thread (watchdog.py)",
+    "TorchMethod": "ProcessGroupMCRDL's common methods and MCRDLTorchWork.wait (TORCH_METHODS)",
+    "RECIPES": "the recipe names of this module, in its numbering",
+    "TORCH_METHODS": "the torch methods TorchMethod serves, by name",
+}
+#: What this process runs compiled in place of its Python (python name -> compiled part),
+#: recorded where each is put in place; ``mcrdl info`` lists them.
+IN_PLACE: dict = {}
+
+
+def check_bindings(module: ModuleType, where: str) -> None:
+    """Refuse a compiled module that lacks a binding of :data:`BINDINGS` or numbers
+    the recipes otherwise than :data:`RECIPES` (a RuntimeError naming which)."""
+    missing = [name for name in BINDINGS if not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(f"{where}: the compiled module lacks {', '.join(missing)} (csrc/ and facts.BINDINGS "
+                           "disagree: rebuild, or edit both)")
+    if tuple(module.RECIPES) != RECIPES:
+        raise RuntimeError(f"{where}: the compiled recipes are {module.RECIPES}, facts.py's {RECIPES}")
+
+
+def provided(python: str, native: str) -> None:
+    """Note that ``native`` now runs in place of ``python`` (:data:`IN_PLACE`)."""
+    IN_PLACE[python] = native

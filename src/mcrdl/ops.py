@@ -261,6 +261,8 @@ def driver() -> Callable:
     checks.setup(run, general, planned, blocked, could_not_start, Group, DONE, ReduceOp.SUM, _torch_profiler,
                  Op._fields, Runtime, Engine)
     _plan_key, _key, _span_at = checks.plan_key, checks.key, checks.span
+    _facts.provided("ops.run as api.run_op (calls from a plan)", "drive (csrc/driver.cpp)")
+    _facts.provided("facts.plan_key, facts.key, facts.span", "csrc/tensor_facts.cpp")
     return checks.drive
 
 

@@ -57,7 +57,10 @@ def _gil_free_beats(interval: float):
     from . import facts
 
     compiled = facts.load()
-    return None if compiled is facts else compiled.Beats(interval)
+    if compiled is facts:
+        return None
+    facts.provided("the watchdog's heartbeat thread", "Beats (csrc/beats.cpp)")
+    return compiled.Beats(interval)
 
 
 def _no_delay(sock: socket.socket) -> socket.socket:

@@ -478,6 +478,10 @@ class Engine:
         self._ranges = compiled.ranges  # compiled: None for what only facts.ranges reads
         global _finished
         _finished = getattr(compiled, "finished", _finished)
+        if compiled is not facts:
+            facts.provided("threading.RLock as the engine's lock", "RLock (csrc/engine.cpp)")
+            facts.provided("work._finished (Work.wait's common case)", "finished (csrc/engine.cpp)")
+            facts.provided("facts.ranges (async ops' memory)", "ranges (csrc/tensor_facts.cpp)")
         self._domains: frozenset = frozenset()  # progress domains of every work ever tracked
 
     # -- futures ---------------------------------------------------------------

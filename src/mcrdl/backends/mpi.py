@@ -310,6 +310,8 @@ class MPIBackend(Backend):
             checks = facts.load()
             if checks is not facts:  # the compiled driver starts its starters without Python
                 checks.adopt(self.native.Starter, self.native.start, self.native.Request, Work, RECEIVES)
+                facts.provided("MPIBackend's starts of planned calls", "Starter (backends/mpi_native.c), "
+                               "started by drive")
         self.rows_rule = rows_rule(self.version())
         if "cuda" in self.devices:
             self.order_after_streams()

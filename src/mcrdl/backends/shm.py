@@ -199,6 +199,7 @@ class ShmBackend(Backend):
         checks = facts.load()
         if checks is not facts:  # the compiled driver starts the blocking fast path's starter itself
             checks.adopt_starter(self.lib.Starter, self.lib.start)
+            facts.provided("ShmBackend's blocking starts", "Starter (backends/shm_native.cpp), started by drive")
 
     def join(self) -> None:
         token = secrets.token_hex(8) if self.ctx.rank == 0 else None

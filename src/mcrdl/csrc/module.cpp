@@ -53,6 +53,19 @@ PyMethodDef methods[] = {
     {nullptr, nullptr, 0, nullptr},
 };
 
+// module.<attr> = a tuple of ``count`` names (what Python binds by name and checks at load).
+bool add_names(PyObject *m, const char *attr, const char *const *names, int count)
+{
+    THPObjectPtr tuple(PyTuple_New(count));
+    for (int i = 0; tuple && i < count; i++) {
+        PyObject *name = PyUnicode_FromString(names[i]);
+        if (name == nullptr)
+            return false;
+        PyTuple_SET_ITEM(tuple.get(), i, name);
+    }
+    return tuple && PyModule_AddObjectRef(m, attr, tuple.get()) == 0;
+}
+
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_facts", nullptr, -1, methods};
 
 } // namespace
@@ -64,7 +77,8 @@ PyMODINIT_FUNC PyInit_mcrdl_facts(void)
     PyObject *m = PyModule_Create(&module);
     if (m == nullptr)
         return nullptr;
-    if (PyModule_AddObjectRef(m, "Beats", reinterpret_cast<PyObject *>(&BeatsType)) < 0
+    if (!add_names(m, "RECIPES", RECIPE_NAMES, RECIPE_COUNT) || !add_names(m, "TORCH_METHODS", KIND_NAMES, T_KINDS)
+        || PyModule_AddObjectRef(m, "Beats", reinterpret_cast<PyObject *>(&BeatsType)) < 0
         || PyModule_AddObjectRef(m, "RLock", reinterpret_cast<PyObject *>(&RLockType)) < 0
         || PyModule_AddObjectRef(m, "TorchMethod", reinterpret_cast<PyObject *>(&TorchMethodType)) < 0) {
         Py_DECREF(m);

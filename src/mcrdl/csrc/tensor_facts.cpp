@@ -252,7 +252,10 @@ PyObject *ranges(PyObject *, PyObject *const *args, Py_ssize_t n)
 
 
 // The recipes of facts.plan_key, numbered alike.
-enum Recipe { KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P };
+enum Recipe { KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P, RECIPE_COUNT };
+// Their names in that order: the module's RECIPES, which facts.py checks its own against at load.
+const char *const RECIPE_NAMES[RECIPE_COUNT] = {"KEY", "REDUCED", "ROOTED", "ROOTED_REDUCED", "PAIRED",
+                                                "PAIRED_REDUCED", "P2P"};
 
 PyObject *SUM = nullptr; // mcrdl.types.ReduceOp.SUM (setup)
 

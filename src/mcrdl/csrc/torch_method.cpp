@@ -5,7 +5,7 @@
 // Covered by: tests/test_torch_backend.py (compiled and MCRDL_NATIVE=0), tests/test_compile.py.
 
 // -- ProcessGroupMCRDL's common calls ---------------------------------------------------------
-// TorchMethod(kind, op, name, fallback, module_globals, work_type, work_init, reduce_kinds, group_type)
+// TorchMethod(op, name, fallback, module_globals, work_type, work_init, reduce_kinds, group_type)
 // stands for one of ProcessGroupMCRDL's methods (``fallback``, the Python one):
 // called as pg.<method>(...) by torch's Python or through its C++ trampoline,
 // it does what the Python method does for the common case (one tensor, a
@@ -18,6 +18,10 @@
 // results and errors. So does any call made while dynamo's frame hook is live
 // (frames_hooked). Kind T_WAIT stands for MCRDLTorchWork.wait (torch_wait).
 enum TorchKind { T_ALLREDUCE, T_BROADCAST, T_ALLGATHER, T_REDUCE_SCATTER, T_ALL_TO_ALL, T_SEND, T_RECV, T_WAIT, T_KINDS };
+// Each kind's method name: a TorchMethod is made for a method by its name (the
+// module's TORCH_METHODS lists them), never by a position Python must keep in step.
+const char *const KIND_NAMES[T_KINDS] = {"allreduce", "broadcast", "all_gather_single", "reduce_scatter_single",
+                                         "all_to_all_single", "send", "recv", "wait"};
 
 struct TorchMethod {
     PyObject_HEAD
@@ -289,24 +293,29 @@ PyObject *torch_method_call(PyObject *callable, PyObject *const *args, size_t na
 
 PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    int kind;
     PyObject *op, *name, *fallback, *module_globals, *work_type, *work_init, *reduce_kinds, *group_type;
     if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "TorchMethod takes no keyword arguments");
         return nullptr;
     }
-    if (!PyArg_ParseTuple(args, "iOUOO!O!OO!O!:TorchMethod", &kind, &op, &name, &fallback, &PyDict_Type, &module_globals,
+    if (!PyArg_ParseTuple(args, "OUOO!O!OO!O!:TorchMethod", &op, &name, &fallback, &PyDict_Type, &module_globals,
                           &PyType_Type, &work_type, &work_init, &PyDict_Type, &reduce_kinds, &PyType_Type,
                           &group_type))
         return nullptr;
+    int kind = 0;
+    while (kind < T_KINDS && PyUnicode_CompareWithASCIIString(name, KIND_NAMES[kind]) != 0)
+        kind++;
+    if (kind == T_KINDS) {
+        PyErr_Format(PyExc_ValueError, "TorchMethod: no compiled form of method %R (see TORCH_METHODS)", name);
+        return nullptr;
+    }
     auto *pg_type = reinterpret_cast<PyTypeObject *>(group_type);
     auto *made_type = reinterpret_cast<PyTypeObject *>(work_type);
     if (!attr(a_g, pg_type, "_g") || !attr(a_coalescing, pg_type, "_coalescing") || !attr(a_work, made_type, "_work")
         || !attr(a_result, made_type, "_result") || !attr(a_op, made_type, "_op"))
         return nullptr;
-    if (kind < 0 || kind >= T_KINDS || !PyCallable_Check(fallback) || !PyCallable_Check(work_init)) {
-        PyErr_Format(PyExc_ValueError, "TorchMethod: a kind of 0-%d, a function, a type and its base's __init__",
-                     T_KINDS - 1);
+    if (!PyCallable_Check(fallback) || !PyCallable_Check(work_init)) {
+        PyErr_SetString(PyExc_ValueError, "TorchMethod: a function, a type and its base's __init__");
         return nullptr;
     }
     if (D.slow == nullptr) {

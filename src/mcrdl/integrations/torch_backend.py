@@ -614,8 +614,8 @@ def _run_outside_dynamo(*classes) -> None:
 
 _run_outside_dynamo(ProcessGroupMCRDL, MCRDLTorchWork)
 
-#: The methods csrc/torch_method.cpp's TorchMethod serves (its kinds, in order) and their ops;
-#: MCRDLTorchWork.wait is its next kind (T_WAIT).
+#: The methods csrc/torch_method.cpp's TorchMethod serves, by name, and their ops (and
+#: MCRDLTorchWork.wait): the compiled module's TORCH_METHODS, checked when they are put in place.
 _COMPILED = (("allreduce", ops.ALL_REDUCE), ("broadcast", ops.BROADCAST),
              ("all_gather_single", ops.ALL_GATHER_INTO_TENSOR),
              ("reduce_scatter_single", ops.REDUCE_SCATTER_TENSOR), ("all_to_all_single", ops.ALL_TO_ALL_SINGLE),
@@ -633,10 +633,14 @@ def _compile_methods() -> bool:
         return False
     methods = [(ProcessGroupMCRDL, method, op, vars(api)) for method, op in _COMPILED]
     methods.append((MCRDLTorchWork, "wait", None, vars(work_module)))  # (reads its wait policy)
-    for kind, (cls, method, op, module_globals) in enumerate(methods):
+    if sorted(m for _, m, _, _ in methods) != sorted(native.TORCH_METHODS):
+        raise RuntimeError(f"the compiled TorchMethod serves {sorted(native.TORCH_METHODS)}, torch_backend.py "
+                           f"asks for {sorted(m for _, m, _, _ in methods)}: rebuild or edit both")
+    for cls, method, op, module_globals in methods:
         python = vars(cls)[method]
-        compiled = native.TorchMethod(kind, op, method, python, module_globals, MCRDLTorchWork, dist.Work.__init__,
+        compiled = native.TorchMethod(op, method, python, module_globals, MCRDLTorchWork, dist.Work.__init__,
                                       _REDUCE_KINDS, ProcessGroupMCRDL)
+        facts.provided(f"{cls.__name__}.{method}", "TorchMethod (csrc/torch_method.cpp)")
         for name, value in list(vars(cls).items()):
             if value is python:  # its older names too (_allgather_base ...)
                 setattr(cls, name, compiled)
