@@ -9,7 +9,7 @@
 # (default: the lines of allreduce_latency.py's results).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-root=$PWD rev=$1 pairs=${2:-3} sizes=${3:-4,1K} bench=${BENCH:-allreduce_latency.py} np=${NP:-2}
+root=$PWD rev=$1 pairs=${2:-3} sizes=${3:-4,1K} bench=${BENCH:-percall/allreduce_latency.py} np=${NP:-2}
 old=$(mktemp -d)/tree
 git worktree add -q --detach "$old" "$rev"
 trap 'git worktree remove --force "$old"' EXIT
