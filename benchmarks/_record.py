@@ -12,7 +12,7 @@ import time
 import torch
 
 import mcrdl
-from mcrdl.bench import cpu_model
+from mcrdl.tools.bench import cpu_model
 
 
 def environment(**versions: str) -> dict:

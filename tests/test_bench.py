@@ -16,7 +16,7 @@ import mpi4py
 import pytest
 import torch
 
-from mcrdl import bench, demo, tune
+from mcrdl.tools import bench, demo, tune
 from mcrdl.backends import REGISTRY
 from mcrdl.tuning import CLASS_METHODS, TuningTable
 
@@ -347,7 +347,7 @@ def test_tune_measures_a_minority_winner_again(tmp_path):
 # -- cold mode -------------------------------------------------------------------------------
 def test_bench_cold_mode_is_recorded_and_fitted(tmp_path):
     """(Launched with --bind core: the ranks' CPUs are recorded.)"""
-    from mcrdl.model import CostModel
+    from mcrdl.tools.model import CostModel
 
     out = tmp_path / "cold.json"
     ok(mcrdl_cli("bench", "-n", "2", "--bind", "core", "--cold", "--variants", "mpi", "--ops", "all_reduce",

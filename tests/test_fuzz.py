@@ -33,9 +33,10 @@ from typing import Any, Callable, Optional
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from mcrdl import bench, cli
-from mcrdl.model import CostModel, ModelConfigError, compare, config_from_dict, load_config, load_log
-from mcrdl.model.config import Config
+from mcrdl import cli
+from mcrdl.tools import bench
+from mcrdl.tools.model import CostModel, ModelConfigError, compare, config_from_dict, load_config, load_log
+from mcrdl.tools.model.config import Config
 from mcrdl.backends import REGISTRY
 from mcrdl.tuning import SELECT_OPS, TuningTable, TuningTableError
 

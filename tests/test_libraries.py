@@ -26,13 +26,13 @@ STILL_NAMED = {
     ("integrations/torch_backend.py", "gloo"): (1, "names torch reserves for its own backends"),
     ("integrations/torch_backend.py", "nccl"): (1, "names torch reserves for its own backends"),
     ("integrations/torch_backend.py", "mpi"): (1, "names torch reserves for its own backends"),
-    ("workloads/ddp.py", "gloo"): (1, "torch's DDP is built on a torch gloo group of its own"),
-    ("model/cost.py", "mpi"): (3, "the model's fits measured on this machine's libraries (data)"),
-    ("model/cost.py", "gloo"): (3, "the model's fits measured on this machine's libraries (data)"),
-    ("model/cost.py", "nccl"): (1, "the model's fits measured on this machine's libraries (data)"),
-    ("workloads/common.py", "gloo"): (3, "the demo's single-library baselines (a PyTorch user's default)"),
-    ("workloads/common.py", "mpi"): (1, "the demo's single-library baselines"),
-    ("workloads/common.py", "mpi_staged"): (1, "the demo's single-library baselines (CUDA)"),
+    ("tools/workloads/ddp.py", "gloo"): (1, "torch's DDP is built on a torch gloo group of its own"),
+    ("tools/model/cost.py", "mpi"): (3, "the model's fits measured on this machine's libraries (data)"),
+    ("tools/model/cost.py", "gloo"): (3, "the model's fits measured on this machine's libraries (data)"),
+    ("tools/model/cost.py", "nccl"): (1, "the model's fits measured on this machine's libraries (data)"),
+    ("tools/workloads/common.py", "gloo"): (3, "the demo's single-library baselines (a PyTorch user's default)"),
+    ("tools/workloads/common.py", "mpi"): (1, "the demo's single-library baselines"),
+    ("tools/workloads/common.py", "mpi_staged"): (1, "the demo's single-library baselines (CUDA)"),
 }
 
 
@@ -76,3 +76,13 @@ def test_the_runtime_reads_declarations():
     assert REGISTRY["nccl"].default_for == {"cuda"}
     narrow = [n for n, cls in REGISTRY.items() if cls.ops != frozenset(REGISTRY["mpi"].ops)]
     assert "shm" in narrow and all(not REGISTRY[n].default_for for n in narrow)
+
+
+def test_the_runtime_imports_no_tool():
+    """The tools (bench, tune, demo, workloads, model, plots) sit above the runtime:
+    nothing outside ``mcrdl/tools/`` imports them but the CLI that runs them."""
+    tools = re.compile(r"^\s*(from\s+(\.+tools|mcrdl\.tools)\b|import\s+mcrdl\.tools\b|from\s+\.+\s+import\s+.*\btools\b)",
+                       re.M)
+    importing = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                       if "tools" not in p.relative_to(SRC).parts and tools.search(p.read_text()))
+    assert importing == ["cli.py"], importing

@@ -1,4 +1,4 @@
-"""Communication model (mcrdl.model): formulas on hand-checkable layouts, the
+"""Communication model (mcrdl.tools.model): formulas on hand-checkable layouts, the
 alpha-beta fit, the matrix, validation, the layout sweep and the CLI. Pure
 Python, no ranks started."""
 import copy
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mcrdl.model import (CostModel, ModelConfigError, comm_matrix, compare, config_from_dict,
+from mcrdl.tools.model import (CostModel, ModelConfigError, comm_matrix, compare, config_from_dict,
                          coords, estimate, fit_alpha_beta, flops_per_iteration, group_of,
                          load_config, load_log, make_fit, moe_dispatch, param_count, rank_layouts,
                          rank_of, stage_traffic)
-from mcrdl.model.traffic import expected_capped
+from mcrdl.tools.model.traffic import expected_capped
 
 ROOT = Path(__file__).parents[1]
 EXAMPLES = ROOT / "examples" / "model"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import FORKED
-from mcrdl.model import CostModel
-from mcrdl.model.compare import compare, load_log
-from mcrdl.model.config import load_config
+from mcrdl.tools.model import CostModel
+from mcrdl.tools.model.compare import compare, load_log
+from mcrdl.tools.model.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 2

@@ -1,4 +1,4 @@
-"""Unit tests for mcrdl.tune and the pure parts of mcrdl.bench (no MPI, one process).
+"""Unit tests for mcrdl.tools.tune and the pure parts of mcrdl.tools.bench (no MPI, one process).
 
 Results are synthetic ``bench.Result`` lists; only ``max_us`` (the slowest
 rank's time) drives decisions.
@@ -12,8 +12,8 @@ import warnings
 import pytest
 
 import mcrdl
-from mcrdl import bench, tune
-from mcrdl.bench import Result
+from mcrdl.tools import bench, tune
+from mcrdl.tools.bench import Result
 from mcrdl.tuning import FORMAT
 
 KNOWN = ["mpi", "gloo", "nccl"]
@@ -203,7 +203,7 @@ def test_plots_shade_the_table_ranges(tmp_path):
     """The same results plotted with the table differ from the plain plot (the
     shaded ranges), for both all-to-all forms (one table entry)."""
     pytest.importorskip("matplotlib")
-    from mcrdl.plots import plot_ops
+    from mcrdl.tools.plots import plot_ops
 
     results = results_all() + sweep("all_to_allv", TIMES["all_to_all"])
     table = tune.make_table(results, BACKENDS, 2, META)

@@ -1,4 +1,4 @@
-"""End-to-end workloads (mcrdl.workloads, examples/workloads) and `mcrdl demo`.
+"""End-to-end workloads (mcrdl.tools.workloads, examples/workloads) and `mcrdl demo`.
 
 Each workload runs a few training steps in every mode on 2 real ranks; the
 losses and the final parameters must agree across modes (on 2 ranks every
@@ -201,9 +201,9 @@ def test_demo_autotuned_mode_runs_without_the_quick_tune(tmp_path):
 
 # -- unit tests of the runner (no job) ------------------------------------------------------
 def test_parse_modes_and_variants():
-    from mcrdl.workloads.common import parse_modes
-    from mcrdl.workloads.ddp import WORKLOAD as ddp
-    from mcrdl.workloads.moe import WORKLOAD as moe
+    from mcrdl.tools.workloads.common import parse_modes
+    from mcrdl.tools.workloads.ddp import WORKLOAD as ddp
+    from mcrdl.tools.workloads.moe import WORKLOAD as moe
 
     assert [m[0] for m in parse_modes("all", moe, "gloo")] == \
         ["baseline-gloo", "baseline-mpi", "coarse", "tuned"]
@@ -224,7 +224,7 @@ def test_demo_device_and_modes(monkeypatch):
     with that device's baselines: NCCL only with a GPU per rank."""
     import torch
 
-    from mcrdl import demo
+    from mcrdl.tools import demo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert demo.default_device(2) == "cpu"
     assert demo.main_modes("cpu", 2) == ["baseline-gloo", "baseline-mpi", "coarse", "tuned"]
@@ -241,7 +241,7 @@ def test_demo_device_and_modes(monkeypatch):
 
 
 def test_coarse_map_from_table_majority():
-    from mcrdl.workloads.common import coarse_map_from_table
+    from mcrdl.tools.workloads.common import coarse_map_from_table
 
     doc = {"metadata": {"sweep": {"sizes": [4, 256, 4096, 65536, 1 << 20]}},
            "rules": {"cpu": {"all_reduce": {"2": [{"max_bytes": 256, "backend": "mpi"},
@@ -257,7 +257,7 @@ def test_coarse_map_from_table_majority():
 
 
 def test_comm_timer_union_and_compare():
-    from mcrdl.workloads.common import CommTimer, compare
+    from mcrdl.tools.workloads.common import CommTimer, compare
 
     t = CommTimer()
     for a, b in ((1.0, 2.0), (1.5, 2.5), (3.0, 3.5), (0.0, 0.5), (9.0, 11.0)):

@@ -33,7 +33,7 @@ SETTINGS = {"trial off": "0", "trial on": "100"}
 
 
 def workload(args, block_ms: str, path: str) -> dict:
-    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", sys.executable, "-m", "mcrdl.workloads.megatron",
+    cmd = [sys.executable, "-m", "mcrdl.cli", "run", "-n", "2", sys.executable, "-m", "mcrdl.tools.workloads.megatron",
            "--sequence-parallel", "--mode", "baseline-mpi,autotuned", "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--json", path, "--quiet"]
     subprocess.run(cmd, check=True, env={**os.environ, "MCRDL_AUTOTUNE_BLOCK_MS": block_ms},

@@ -14,7 +14,7 @@ ones: the model calibrated from the job's own earlier calls
 
 The first argument names the workload (megatron, moe, ddp, dlrm); the rest are
 that workload's options (``examples/workloads/<name>.py --help``). Unlike the
-workload runner (src/mcrdl/workloads/common.py), this initialises once, builds
+workload runner (src/mcrdl/tools/workloads/common.py), this initialises once, builds
 the model, runs ``--warmup`` steps, drops their records (first-call costs are
 not the steady state the model predicts) and runs exactly ``--steps`` steps,
 so the export at ``destroy_process_group`` holds the logged steps'
@@ -31,7 +31,7 @@ import torch
 
 import mcrdl
 from mcrdl.features.logger import comms_reset, export_comms
-from mcrdl.workloads.common import init_kwargs, parser
+from mcrdl.tools.workloads.common import init_kwargs, parser
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     if not argv or argv[0].startswith("-"):
         print("usage: log_workload.py {megatron,moe,ddp,dlrm} [workload options]", file=sys.stderr)
         return 2
-    workload = importlib.import_module(f"mcrdl.workloads.{argv[0]}").WORKLOAD
+    workload = importlib.import_module(f"mcrdl.tools.workloads.{argv[0]}").WORKLOAD
     p = parser(workload)
     p.add_argument("--calibrate", type=int, default=0, metavar="K",
                    help="log K steps before the measured ones to MCRDL_COMMS_LOG_DIR/calibration "

@@ -3,10 +3,10 @@
     mcrdl run -n 2 examples/workloads/decode.py --mode tuned --table T.json
     mcrdl run -n 2 examples/workloads/decode.py --mode baseline-gloo,baseline-mpi,coarse,tuned --rounds 2
 
-Options: --help. The model, the data and the modes are in src/mcrdl/workloads/decode.py.
+Options: --help. The model, the data and the modes are in src/mcrdl/tools/workloads/decode.py.
 """
 import sys
 
-from mcrdl.workloads.decode import main
+from mcrdl.tools.workloads.decode import main
 
 sys.exit(main())

@@ -3,10 +3,10 @@
     mcrdl run -n 2 examples/workloads/dlrm.py --mode tuned --table T.json
     mcrdl run -n 2 examples/workloads/dlrm.py --mode baseline-gloo,baseline-mpi,coarse,tuned --rounds 2
 
-Options: --help. The model, the data and the modes are in src/mcrdl/workloads/dlrm.py.
+Options: --help. The model, the data and the modes are in src/mcrdl/tools/workloads/dlrm.py.
 """
 import sys
 
-from mcrdl.workloads.dlrm import main
+from mcrdl.tools.workloads.dlrm import main
 
 sys.exit(main())

@@ -3,10 +3,10 @@
     mcrdl run -n 2 examples/workloads/megatron.py --mode tuned --table T.json
     mcrdl run -n 2 examples/workloads/megatron.py --mode baseline-gloo,baseline-mpi,coarse,tuned --rounds 2
 
-Options: --help. The model, the data and the modes are in src/mcrdl/workloads/megatron.py.
+Options: --help. The model, the data and the modes are in src/mcrdl/tools/workloads/megatron.py.
 """
 import sys
 
-from mcrdl.workloads.megatron import main
+from mcrdl.tools.workloads.megatron import main
 
 sys.exit(main())

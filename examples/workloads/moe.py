@@ -3,10 +3,10 @@
     mcrdl run -n 2 examples/workloads/moe.py --mode tuned --table T.json
     mcrdl run -n 2 examples/workloads/moe.py --mode baseline-gloo,baseline-mpi,coarse,tuned --rounds 2
 
-Options: --help. The model, the data and the modes are in src/mcrdl/workloads/moe.py.
+Options: --help. The model, the data and the modes are in src/mcrdl/tools/workloads/moe.py.
 """
 import sys
 
-from mcrdl.workloads.moe import main
+from mcrdl.tools.workloads.moe import main
 
 sys.exit(main())

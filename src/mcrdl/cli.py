@@ -72,7 +72,7 @@ def _cmd_info(args) -> int:
 def _cmd_explain(args) -> int:
     import mcrdl
 
-    from .bench import default_device
+    from .tools.bench import default_device
 
     mcrdl.init_process_group(op_backends=_parse_map(args.op_backends), tuning_table=args.table,
                              default_backend=args.default)
@@ -107,7 +107,7 @@ def _cmd_bench(args, argv) -> int:
     rc = _relaunch(args, argv)
     if rc is not None:
         return rc
-    from . import bench
+    from .tools import bench
 
     failed = bench.run(variants=args.variants.split(",") if args.variants else None, device=args.device,
                        ops=args.ops.split(",") if args.ops else None, sizes=args.sizes, quick=args.quick,
@@ -121,7 +121,7 @@ def _cmd_tune(args, argv) -> int:
     rc = _relaunch(args, argv)
     if rc is not None:
         return rc
-    from . import tune
+    from .tools import tune
 
     tune.run(args.out, device=args.device, backends=args.backends.split(",") if args.backends else None,
              ops=args.ops.split(",") if args.ops else None, sizes=args.sizes, quick=args.quick,
@@ -132,13 +132,13 @@ def _cmd_tune(args, argv) -> int:
 
 
 def _cmd_model(args) -> int:
-    from .model.report import cli_main
+    from .tools.model.report import cli_main
 
     return cli_main(args)
 
 
 def _cmd_demo(args) -> int:
-    from . import demo
+    from .tools import demo
 
     return demo.main(args)
 
@@ -288,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     mo.set_defaults(func=_cmd_model)
 
     d = sub.add_parser("demo", help="quick tune + every workload in every mode on local ranks: table + chart")
-    from .demo import add_args as _demo_args
+    from .tools.demo import add_args as _demo_args
     _demo_args(d)
     d.set_defaults(func=_cmd_demo)
     return p

@@ -7,7 +7,7 @@ leg of the p2p ping-pong, where rank 0 gets back the values it sent, so only
 a check that clears rank 0's buffer before the echo can see it.
 
 Modes:
-  api  run mcrdl.bench.Bench on [mpi, gloo_corrupt] with check=True and print
+  api  run mcrdl.tools.bench.Bench on [mpi, gloo_corrupt] with check=True and print
        "CHECK <op> <bytes> <variant> <status>" per result (rank 0);
   cli  run ``mcrdl bench --check`` (mcrdl.cli.main inside this job, so the
        registered backend is live) and exit with its return code.
@@ -62,7 +62,7 @@ if mode == "cli":
                        "--sizes", "4,4K", "--iters", "3", "--large-iters", "2", "--warmup", "1",
                        "--rounds", "1", "--check"]))
 
-from mcrdl import bench  # noqa: E402
+from mcrdl.tools import bench  # noqa: E402
 
 mcrdl.init_process_group(backends=["mpi", "gloo", "gloo_corrupt"])
 assert mcrdl.available_backends()["gloo_corrupt"] == "live", mcrdl.available_backends()

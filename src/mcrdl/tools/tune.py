@@ -27,9 +27,10 @@ import warnings
 from collections import Counter
 from typing import Optional, Sequence
 
-from . import api, bench
+from .. import api
+from . import bench
 from .bench import Result, human
-from .tuning import FORMAT, OP_CLASS
+from ..tuning import FORMAT, OP_CLASS
 
 
 def _class_times(results: Sequence[Result], backends: Sequence[str]) -> dict:
@@ -276,8 +277,8 @@ def run(out: str, *, device: Optional[str] = None, backends: Optional[Sequence[s
 def _merged_rules(path: str) -> dict:
     """A table's rules and where they came from (``merge``); read before the
     sweep so a bad file fails early."""
-    from .backends import REGISTRY
-    from .tuning import TuningTable
+    from ..backends import REGISTRY
+    from ..tuning import TuningTable
 
     with warnings.catch_warnings():  # its backends need not be live in this job
         warnings.simplefilter("ignore")

@@ -5,7 +5,7 @@ import os
 from typing import Optional, Sequence
 
 from .bench import Result, human
-from .tuning import OP_CLASS
+from ..tuning import OP_CLASS
 
 
 def plot_ops(results: Sequence[Result], outdir: str, table: Optional[dict] = None,

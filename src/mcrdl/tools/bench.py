@@ -36,7 +36,7 @@ arrived last (the shortest over ranks: the others' extra time was waiting
 for it, as :func:`mcrdl.features.logger.arrival_times`), so avg = min = max
 (docs/bench.md, "Cold mode").
 
-:func:`run` is ``mcrdl bench`` in a job, as :func:`mcrdl.tune.run` is ``mcrdl tune``.
+:func:`run` is ``mcrdl bench`` in a job, as :func:`mcrdl.tools.tune.run` is ``mcrdl tune``.
 """
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from . import api
-from .tuning import (DEVICES, OP_CLASS, SELECT_OPS, busbw_factor, is_int, is_number, key_path, read_json,
+from .. import api
+from ..tuning import (DEVICES, OP_CLASS, SELECT_OPS, busbw_factor, is_int, is_number, key_path, read_json,
                      shown)
 
 FORMAT = "mcrdl-bench/1"

@@ -4,7 +4,7 @@ parallel dimension and op, the rank-to-rank matrix, alpha-beta times fitted from
 
 Pure Python (numpy; matplotlib for the PNGs). docs/model.md is the reference.
 
->>> from mcrdl.model import load_config, estimate, rank_layouts, CostModel
+>>> from mcrdl.tools.model import load_config, estimate, rank_layouts, CostModel
 >>> cfg = load_config("examples/model/gpt_small.json")
 >>> est = estimate(cfg, CostModel.defaults())
 >>> best = rank_layouts(cfg, 8)[0]          # (p, t, d) with the least comm time

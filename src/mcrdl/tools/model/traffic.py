@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..tuning import OP_CLASS
+from ...tuning import OP_CLASS
 from .config import Config
 
 #: Dimension labels, in report order.

@@ -56,7 +56,7 @@ import torch
 
 import mcrdl
 from mcrdl.backends import REGISTRY
-from mcrdl.bench import rank_device
+from mcrdl.tools.bench import rank_device
 from mcrdl.tuning import TuningTable
 
 FORMAT = "mcrdl-workload/1"
@@ -398,7 +398,7 @@ def gather_json(obj) -> Optional[list]:
 def _quick_tune(ops: Sequence[str], out: str, device: str) -> None:
     """``mcrdl tune --quick`` of ``ops`` on ``device`` tensors inside this job
     (every rank calls it)."""
-    from mcrdl import tune
+    from mcrdl.tools import tune
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tune.run(out, quick=True, device=device, ops=ops)

@@ -33,7 +33,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
-from ..tuning import OP_CLASS
+from ...tuning import OP_CLASS
 
 #: Preference when deriving an op nobody measured from another op of the same backend.
 _DERIVE_FROM = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all", "broadcast",
@@ -234,7 +234,7 @@ class CostModel:
         calibration. The source names the mode (back-to-back or cold calls,
         docs/bench.md) and the number of sweeps."""
         from ..bench import from_doc, load_json, mode_of
-        from ..tuning import shown
+        from ...tuning import shown
 
         many = isinstance(sources, (list, tuple))
         sweeps = []
@@ -307,7 +307,7 @@ class CostModel:
         """Use a tuning table for the choice (``TuningTable.lookup``); the
         backends it names count as known. The rules used are the fitted bench's
         device's, else the table's only device's, else its ``cpu`` rules."""
-        from ..tuning import TuningTable, TuningTableError, named_backends, read_json
+        from ...tuning import TuningTable, TuningTableError, named_backends, read_json
 
         doc = read_json(path, "tuning table", TuningTableError)
         names = {b for _, b in self.fits} | {"mpi", "nccl", "gloo"} | named_backends(doc)
@@ -334,7 +334,7 @@ class CostModel:
         sizes or lists (``counts``: MPI Alltoallv) calibrates ``all_to_allv``,
         one without ``all_to_all``. A backend with no alpha-beta values is left
         out (a note says so): one op's calls cannot give the others'."""
-        from ..features.logger import arrival_times
+        from ...features.logger import arrival_times
 
         points: dict = {}  # (model op, backend) -> [(bytes, group size, us)]
         for doc, times in zip(docs, arrival_times(docs)):

@@ -20,8 +20,8 @@ import os
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Optional
 
-from ..features.logger import Record, arrival_times
-from ..tuning import OP_CLASS, is_int, is_number, key_path, read_json, shown
+from ...features.logger import Record, arrival_times
+from ...tuning import OP_CLASS, is_int, is_number, key_path, read_json, shown
 from .config import Config
 from .cost import CostModel
 from .traffic import DIMS, all_stage_traffic, coords, group_of

@@ -8,7 +8,7 @@ It starts ``-n`` local ranks of itself (``mcrdl run``), and in that job:
 
 1. runs a quick tune of the ops the workloads use (``mcrdl tune --quick``,
    sizes around the workloads' messages) into ``OUT/table.json``;
-2. runs every workload (``mcrdl.workloads``: moe, dlrm, megatron, megatron
+2. runs every workload (``mcrdl.tools.workloads``: moe, dlrm, megatron, megatron
    with sequence parallelism, tensor-parallel decoding, ddp) in every mode for a fixed number of steps,
    modes interleaved over rounds: ``baseline-gloo`` (one library for
    everything: what a PyTorch CPU user has today), ``baseline-mpi`` (the other
@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from .rank_env import in_job, mpi_launched
+from ..rank_env import in_job, mpi_launched
 
 FORMAT = "mcrdl-demo/1"
 
@@ -152,7 +152,7 @@ def main(args) -> int:
 
 def _outer(args, names: List[str]) -> int:
     """Launch the job, then report from its files."""
-    from . import launcher
+    from .. import launcher
 
     os.makedirs(args.out, exist_ok=True)
     for name in names:  # stale results must not be reported
@@ -194,7 +194,7 @@ def _inner(args, names: List[str]) -> int:
     import importlib
 
     from . import tune
-    from .settings import parse_bytes
+    from ..settings import parse_bytes
 
     os.makedirs(args.out, exist_ok=True)
     modes = args.modes.split(",")
@@ -206,7 +206,7 @@ def _inner(args, names: List[str]) -> int:
     worst = 0
     for name in names:
         module, extra, more_modes = WORKLOADS[name]
-        mod = importlib.import_module(f"mcrdl.workloads.{module}")
+        mod = importlib.import_module(f"mcrdl.tools.workloads.{module}")
         extra_modes = more_modes if "tuned" in modes and not args.no_variants else ""  # DDP's hook variants of tuned
         argv = ["--mode", ",".join(modes) + extra_modes, *(["--table", table] if table else []),
                 "--steps", str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
@@ -273,8 +273,8 @@ def _table_doc(path: str) -> dict:
     """A tuning table file in the current format (version 1 files are converted)."""
     import warnings
 
-    from .backends import REGISTRY
-    from .tuning import TuningTable
+    from ..backends import REGISTRY
+    from ..tuning import TuningTable
 
     with warnings.catch_warnings():  # this report runs no op: liveness does not matter
         warnings.simplefilter("ignore")

@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from ..tuning import MAX_INT, is_number, key_path, read_json, read_text, shown
+from ...tuning import MAX_INT, is_number, key_path, read_json, read_text, shown
 
 #: Order of the parallel dimensions in the rank numbering, fastest first (Megatron).
 DEFAULT_ORDER = ("tensor", "data", "pipeline")

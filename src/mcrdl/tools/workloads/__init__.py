@@ -1,7 +1,7 @@
 """End-to-end training workloads on mcrdl (docs/workloads.md).
 
 Each is a module with a ``WORKLOAD`` object and ``main(argv)``; the runnable
-scripts are in ``examples/workloads/`` and ``python -m mcrdl.workloads.<name>``:
+scripts are in ``examples/workloads/`` and ``python -m mcrdl.tools.workloads.<name>``:
 
 * :mod:`.moe`: mixture of experts (expert parallel all-to-all + data parallel all-reduce)
 * :mod:`.dlrm`: DLRM-style recommender (sharded embeddings, all-to-all of pooled embeddings)
