@@ -170,8 +170,10 @@ def cxx() -> Optional[list[str]]:
 
 
 def build_target(compiler: list[str]) -> str:
-    """The cached module's path: keyed by every file of csrc/, the compiler, torch and Python."""
-    parts = sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC) if name.endswith(".cpp"))
+    """The cached module's path: keyed by every file of csrc/ (module.cpp as the source,
+    the files it includes by their digests), the compiler, torch and Python."""
+    parts = sorted(os.path.join(CSRC, name) for name in os.listdir(CSRC)
+                   if name.endswith(".cpp") and os.path.join(CSRC, name) != SOURCE)
     return compiled.target("facts", MODULE, SOURCE, (os.path.realpath(compiler[0]), torch.__version__,
                                                      os.path.dirname(torch.__file__), sys.version,
                                                      *map(compiled.digest, parts)))
