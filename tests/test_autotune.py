@@ -221,7 +221,7 @@ def test_drift_check_needs_slow_windows_in_a_row_against_the_lowest_median():
             return value
 
     class Group:
-        starters = {"plan": object()}
+        plans = {"plan": object()}
 
     with pytest.raises(ValueError, match="drift 0 .off. or >= 2"):
         Autotuner(_Sel(), drift=1)
@@ -238,7 +238,7 @@ def test_drift_check_needs_slow_windows_in_a_row_against_the_lowest_median():
         window(us)
         assert b.winner == "mpi", (us, b.base, b.slow)
     window(120)  # the second slow window in a row against 50 us
-    assert b.winner is None and b.candidates[0] == "mpi" and Group.starters == {}
+    assert b.winner is None and b.candidates[0] == "mpi" and Group.plans == {}
     assert b.reopened[0]["base_us"] == 50.0 and b.reopened[0]["now_us"] == 120.0
 
 
@@ -267,7 +267,7 @@ def _fake_group(monkeypatch, block_ms=10, other_sees_no_harm=False):
         name, size, declined = "world", 2, ()
 
         def __init__(self):
-            self.tuned, self.starters, self.trying, self.tuned_calls = {}, {}, None, 0
+            self.tuned, self.plans, self.trying, self.tuned_calls = {}, {}, None, 0
 
     return Autotuner(Sel(), block_ms=block_ms), Members(), Group(), clock
 

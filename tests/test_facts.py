@@ -1,7 +1,7 @@
-"""The fast paths' tensor checks (mcrdl/facts.py): the compiled functions and
-their pure-Python fallback give the same answers on the same tensors, and the
-compiled module builds into an empty cache, is reused, and falls back when
-there is no compiler."""
+"""The compiled module (mcrdl/facts.py, csrc/): its tensor facts give the answers
+of their plain-Python reference (tests/facts_reference.py) on the same tensors,
+and the module builds into an empty cache, is reused, is refused by name when a
+binding is missing, and falls back when there is no compiler."""
 import os
 import re
 import shutil
@@ -15,6 +15,7 @@ import torch
 
 from mcrdl import facts, ops
 
+import facts_reference as reference
 from conftest import cached_files, check_built_once_and_reused, compiled_status
 
 COMPILED = facts.load()
@@ -61,7 +62,7 @@ def compiled():
 @pytest.mark.parametrize("name", list(TENSORS))
 def test_key(compiled, name):
     t = TENSORS[name]
-    expected = facts.key(t)
+    expected = reference.key(t)
     assert compiled.key(t) == expected
     if name in ("float32", "0-d", "empty", "empty 2-d", "bool", "bfloat16", "int64 2-d", "slice", "row",
                 "requires_grad", "parameter"):
@@ -78,7 +79,7 @@ def test_pair(compiled):
         "one strided": (buf[::2], torch.zeros(8)), "one not a tensor": (buf, 3),
     }
     for name, (a, b) in cases.items():
-        expected = facts.pair(a, b)
+        expected = reference.pair(a, b)
         assert compiled.pair(a, b) == expected, name
         if name in ("disjoint", "separate", "empty inside"):
             assert expected == (a.nbytes, a.dtype, tuple(a.shape), b.nbytes, b.dtype, tuple(b.shape)), name
@@ -88,7 +89,7 @@ def test_pair(compiled):
 
 def test_plan_key(compiled):
     """Every recipe on tensors and fixed arguments of every kind: the compiled
-    plan_key and the Python one agree (a plan built by one driver is found by the other)."""
+    plan_key and its reference agree."""
     from mcrdl.types import ReduceOp
 
     ops.driver()  # (sets the compiled module up)
@@ -103,7 +104,7 @@ def test_plan_key(compiled):
             for tensors in [(t,) for t in singles] + [(t, u) for t in singles[:2] for u in singles[:2]] + pairs:
                 for f in fixed:
                     try:
-                        expected = facts.plan_key(recipe, at, tensors, f)
+                        expected = reference.plan_key(recipe, at, tensors, f)
                     except IndexError:  # (Python indexes past the tuple; C answers None)
                         assert compiled.plan_key(recipe, at, tensors, f) is None
                         continue
@@ -111,10 +112,10 @@ def test_plan_key(compiled):
                     answered.add(recipe if expected is not None else -1)
     assert answered == {-1, *range(7)}  # every recipe keyed some call, and refused some
     t = TENSORS["float32"]
-    assert facts.plan_key(facts.REDUCED, 0, (t,), (ReduceOp.SUM,)) == (t.nbytes, t.dtype)
-    assert facts.plan_key(facts.REDUCED, 0, (TENSORS["bool"],), (ReduceOp.SUM,)) is None  # (mapped to uint8)
-    assert facts.plan_key(facts.ROOTED, 0, (t,), (True,)) is None  # (True is no rank)
-    assert facts.plan_key(facts.P2P, 0, (t,), (1, 5)) == ((t.nbytes, t.dtype), 1, 5)
+    assert reference.plan_key(reference.REDUCED, 0, (t,), (ReduceOp.SUM,)) == (t.nbytes, t.dtype)
+    assert reference.plan_key(reference.REDUCED, 0, (TENSORS["bool"],), (ReduceOp.SUM,)) is None  # (mapped to uint8)
+    assert reference.plan_key(reference.ROOTED, 0, (t,), (True,)) is None  # (True is no rank)
+    assert reference.plan_key(reference.P2P, 0, (t,), (1, 5)) == ((t.nbytes, t.dtype), 1, 5)
 
 
 def test_span(compiled):
@@ -143,7 +144,7 @@ def test_span(compiled):
         "apart not contiguous": (parts, 3, torch.float32, 16, other[::2]),
     }
     for name, args in cases.items():
-        expected = facts.span(*args)
+        expected = reference.span(*args)
         assert compiled.span(*args) == expected, name
         if name in ("chunks", "tuple", "apart elsewhere"):
             assert expected == buf.data_ptr(), name
@@ -155,7 +156,7 @@ def test_span(compiled):
             assert expected == other.data_ptr()
         else:
             assert expected is None, name
-    for module in (facts, compiled):
+    for module in (reference, compiled):
         for listed in (parts, (p for p in parts)):
             with pytest.raises(TypeError, match="dtype"):
                 module.span(listed, 3, "float32", 16)
@@ -211,41 +212,18 @@ def test_without_a_compiler_the_python_checks_run(tmp_path):
 
 def test_nested_and_storage_less_tensors_take_the_general_path(compiled):
     nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
-    for module in (facts, compiled):  # (compiled: a torch error must not abort the process)
+    for module in (reference, compiled):  # (compiled: a torch error must not abort the process)
         assert module.key(nested) is None and module.pair(nested, torch.zeros(4)) is None
         assert module.span([nested], 1, torch.float32, 8) is None
     seen = []
 
     def inside(x):  # vmap's batched tensors have no storage
-        seen.append((facts.key(x), compiled.key(x), facts.pair(x, torch.zeros(2)),
+        seen.append((reference.key(x), compiled.key(x), reference.pair(x, torch.zeros(2)),
                      compiled.pair(x, torch.zeros(2))))
         return x
 
     torch.func.vmap(inside)(torch.zeros(3, 4))
     assert seen == [(None, None, None, None)]
-
-
-def test_span_memo_is_not_reused_once_its_memory_was_freed():
-    """A group remembers the view over its last list by address; a list that
-    later lies at that address after the view's storage was freed in place
-    (as FSDP frees parameters) must get a view of its own memory."""
-    from types import SimpleNamespace
-
-    g, kind = SimpleNamespace(size=4, starters={}), (16, torch.float32)
-    for _ in range(20):
-        old = torch.zeros(1 << 22)
-        at = old.data_ptr()
-        assert ops.span(g, "all_gather", list(old[:16].chunk(4)), kind).data_ptr() == at
-        old.untyped_storage().resize_(0)
-        del old
-        new = torch.zeros(1 << 22)
-        if new.data_ptr() == at:  # the allocator handed the freed memory out again
-            whole = ops.span(g, "all_gather", list(new[:16].chunk(4)), kind)
-            assert whole is not None and whole.data_ptr() == new.data_ptr()
-            whole.fill_(7)
-            assert torch.equal(new[:16], torch.full((16,), 7.0))
-            return
-    pytest.skip("the allocator never handed the same address out again")
 
 
 def test_ranks_waiting_on_a_failed_build_do_not_compile_again(tmp_path):
@@ -461,3 +439,31 @@ def test_a_compiled_module_without_a_binding_is_refused_by_name(compiled):
     assert "allreduce" in compiled.TORCH_METHODS and "wait" in compiled.TORCH_METHODS
     with pytest.raises(ValueError, match="no compiled form of method 'allgather_coalesced'"):
         compiled.TorchMethod(None, "allgather_coalesced", len, {}, object, len, {}, object)
+
+
+def test_what_the_compiled_driver_reads_of_python_is_bound_by_name(compiled):
+    """drive reads mcrdl.ops by name (setup) and Work by its slots' names
+    (adopt_work): a name it needs that is gone, or a Work slot track() does not
+    set, is an error naming it. Each case runs in a fresh process: setup and
+    adopt_work replace what this process's runtime uses."""
+    script = """
+import sys, types
+from mcrdl import facts, ops, work
+m = facts.load()
+lacking = types.ModuleType("ops")
+lacking.__dict__.update({k: v for k, v in vars(ops).items() if k != "Plan"})
+try:
+    m.setup(lacking)
+except AttributeError as e:
+    print("setup:", e)
+class Wider(work.Work):
+    __slots__ = ("extra",)
+Wider.__slots__ = work.Work.__slots__ + ("extra",)
+try:
+    m.adopt_work(Wider, work.RECEIVES)
+except RuntimeError as e:
+    print("adopt_work:", e)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "setup: setup: mcrdl.ops has no Plan, which drive needs" in out.stdout, out.stdout + out.stderr
+    assert "adopt_work: adopt_work: Work slot 'extra' is not one track() sets" in out.stdout, out.stdout + out.stderr

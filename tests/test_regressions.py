@@ -50,8 +50,8 @@ def test_an_async_op_the_library_fails_raises_naming_op_backend_and_cause(driver
 
 @pytest.mark.parametrize("driver", ["compiled", "python"])
 def test_async_calls_from_their_plans_wait_for_the_work_they_follow(driver):
-    """Every op's async call from its plan, on MPI: started in C by the compiled
-    driver, in ops._from_plan by the pure-Python one (MCRDL_NATIVE=0)."""
+    """Every op's async call on MPI: from its plan, started in C by the compiled
+    driver; on the general path in the pure-Python build (MCRDL_NATIVE=0)."""
     env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}
     out = run_job(2, "regressions_job.py", "mpi_plans_order", timeout=120, env=env)
     out.require(["mpi_plans_order finished"], range(2))

@@ -1,17 +1,17 @@
 """What the compiled driver saves per call: every op on MPI through the
-compiled driver (csrc/driver.cpp's ``drive``) and through the pure-Python one
-(``ops.run``), against raw mpi4py, in one job, interleaved.
+compiled driver (csrc/driver.cpp's ``drive``, calls from their plans) and
+through the general path (``ops.general``, what the pure-Python build runs),
+against raw mpi4py, in one job, interleaved.
 
     mcrdl run -n 2 benchmarks/percall/drivers.py [--sizes 4,1K,64K] [--ops all_reduce,...]
                                         [--rounds R] [--json out.json]
 
 The calls and the raw mpi4py reference are hotpath.py's (same ops, sizes,
 checks and styles); the two drivers serve the same API functions, swapped
-between rounds (``api.run_op``), so both run in the same process on the same
-plans. For every op, size and style, ``R`` rounds time the three variants in
-turn (reversed every other round); a round's figure is the slowest rank's;
-the report is the median time of each and the median per-round ratio
-compiled / Python.
+between rounds (``api.run_op``), so both run in the same process. For every
+op, size and style, ``R`` rounds time the three variants in turn (reversed
+every other round); a round's figure is the slowest rank's; the report is the
+median time of each and the median per-round ratio compiled / general.
 """
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def main() -> int:
 
     mcrdl.init_process_group(backends=["mpi"])
     from mpi4py import MPI
-    drivers = {"compiled": api.run_op, "python": ops.run}
-    if drivers["compiled"] is ops.run:
+    drivers = {"compiled": api.run_op, "general": ops.general}
+    if drivers["compiled"] is ops.general:
         raise SystemExit("the compiled driver is not loaded here (no C++ compiler, or MCRDL_NATIVE=0)")
     comm = MPI.COMM_WORLD.Dup()
     rank, world = comm.Get_rank(), comm.Get_size()
@@ -83,15 +83,15 @@ def main() -> int:
                             for _ in range(max(10, iters // 20)):
                                 fn()
                             times[name].append(comm.allreduce(timed(fn, iters, style, comm), op=MPI.MAX) * 1e6)
-                    ratios = [c / p for c, p in zip(times["compiled"], times["python"])]
+                    ratios = [c / p for c, p in zip(times["compiled"], times["general"])]
                     row[style] = {**{f"{name}_us": statistics.median(t) for name, t in times.items()},
-                                  "compiled_vs_python": statistics.median(ratios), "ratios": ratios}
+                                  "compiled_vs_general": statistics.median(ratios), "ratios": ratios}
                 results.append(row)
                 progress.advance(task)
     api.run_op = drivers["compiled"]
     if rank == 0:
-        table = Table(title=f"compiled / Python driver per call, {world} ranks, MPI, median of {args.rounds} "
-                            "rounds (µs: compiled, Python, raw mpi4py)")
+        table = Table(title=f"compiled driver / general path per call, {world} ranks, MPI, median of {args.rounds} "
+                            "rounds (µs: compiled, general, raw mpi4py)")
         table.add_column("op")
         for nbytes in sizes:
             table.add_column(label(nbytes), justify="right")
@@ -100,11 +100,11 @@ def main() -> int:
             for nbytes in sizes:
                 row = next(r for r in results if r["op"] == op and r["bytes"] == nbytes)
                 b = row[STYLES[0]]
-                cells.append(f"{b['compiled_vs_python']:.2f}x ({b['compiled_us']:.1f}, {b['python_us']:.1f}, "
-                             f"{b['raw_us']:.1f}) / {row[STYLES[1]]['compiled_vs_python']:.2f}x")
+                cells.append(f"{b['compiled_vs_general']:.2f}x ({b['compiled_us']:.1f}, {b['general_us']:.1f}, "
+                             f"{b['raw_us']:.1f}) / {row[STYLES[1]]['compiled_vs_general']:.2f}x")
             table.add_row(op, *cells)
         Console(width=220).print(table)
-        Console(width=220).print(f"cells: {STYLES[0]} ratio (µs compiled, Python, raw) / {STYLES[1]} ratio")
+        Console(width=220).print(f"cells: {STYLES[0]} ratio (µs compiled, general, raw) / {STYLES[1]} ratio")
         if args.json:
             write_json(args.json, {"benchmark": "drivers", "world_size": world, "rounds": args.rounds,
                                    "environment": environment(mpi=MPI.Get_library_version().splitlines()[0]),

@@ -37,7 +37,7 @@ default_sel = type(sel)(sel.live, "mpi", None, None)
 
 def allreduce_loop(selector, backend, tuner=None):
     api._runtime.selector, api._runtime.autotune = selector, tuner
-    api._runtime.world.starters.clear()
+    api._runtime.world.plans.clear()
     for _ in range(args.iters):
         mcrdl.all_reduce(t, backend=backend)
     api._runtime.autotune = None

@@ -27,9 +27,9 @@ from .work import DEFAULT_TIMEOUT, Work, _seconds
 _runtime: Optional[Runtime] = None
 #: The driver every op call goes through, ``run_op(runtime, op, group, async_op, backend,
 #: tensors, fixed=(), splits=None)`` with an :mod:`mcrdl.ops` description: csrc/driver.cpp's
-#: compiled ``drive`` once init has loaded it, else :func:`mcrdl.ops.run`. Internal
+#: compiled ``drive`` once init has loaded it, else :func:`mcrdl.ops.general`. Internal
 #: surface: the torch backend calls it without the layer of this module's functions.
-run_op = ops.run
+run_op = ops.general
 
 
 # -- lifecycle -------------------------------------------------------------------------

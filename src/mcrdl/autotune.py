@@ -353,7 +353,7 @@ class Autotuner:
         b._explore((b.winner, *(c for c in b.candidates if c != b.winner)))
         b.reopened.append(reopened)
         b.how = f"exploring again: latency doubled on a member (drift check {len(b.reopened)})"
-        g.starters.clear()  # plans are kept only for frozen buckets
+        g.plans.clear()  # plans are kept only for frozen buckets
 
     def _candidates(self, cls: str, size: int, device: str, bkt: int, declined: tuple) -> tuple[str, ...]:
         """The live backends that have this op class on ``device`` and serve the
@@ -437,7 +437,7 @@ class Autotuner:
         :meth:`pick` counts it, so each trial call knows its place in the
         group's sequence of calls."""
         g.trying, b.trial_from, b.trial_at = b, b.calls, g.tuned_calls
-        g.starters.clear()
+        g.plans.clear()
 
     def _confirm(self, rt, g, b: Bucket) -> None:
         """Freeze ``b`` after its trial (a collective of ``g``): the seed stays

@@ -1,20 +1,20 @@
-"""The facts an op's plans are keyed on (ops.py), read from the tensors in one
-call: :func:`plan_key` (from :func:`key`, :func:`pair`), :func:`span`; and
-the memory an async op touches, checked against every op in flight
-(work.py, program order): :func:`ranges`.
+"""The compiled module of mcrdl's hot path, and what it is keyed on.
 
-These are the pure-Python versions. :func:`load` returns the same functions
-compiled from csrc/ against the installed torch (one call, no attribute
-reads from Python: 60-240 ns each here, 5 to 20 per call), built once per
-machine into mcrdl's cache (:mod:`mcrdl.compiled`), together with the
-compiled driver of calls that run from a plan (``drive``, see ops.py);
-without a C++ compiler, when the build fails, or with ``MCRDL_NATIVE=0``
-these run instead, with the same results (tests/test_facts.py checks both on
-the same tensors). The compiled module also holds ``Beats``, the watchdog's
-heartbeat thread that never takes the GIL (watchdog.py falls back to its own
-thread without it).
-A tensor qualifies when it is a strided, contiguous CPU tensor, not nested,
-with storage and no Python dispatch (wrapper subclasses take the general path).
+:func:`load` returns the module built from csrc/ against the installed torch,
+once per machine into mcrdl's cache (:mod:`mcrdl.compiled`): the compiled
+driver of calls that run from a plan (``drive``, see ops.py) and the facts it
+keys plans on, read from a call's tensors (``plan_key``, from ``key`` and
+``pair``; ``span``: csrc/tensor_facts.cpp, held by tests/test_facts.py to the
+plain Python of tests/facts_reference.py); the engine's lock, Work tracking
+and wait (csrc/engine.cpp); ``TorchMethod`` (csrc/torch_method.cpp); and
+``Beats``, the watchdog's heartbeat thread that never takes the GIL. Without a
+C++ compiler, when the build fails, or with ``MCRDL_NATIVE=0``, :func:`load`
+returns this module: then no call is planned (ops.general runs every call),
+and :func:`ranges` here gives the memory an async op touches, checked against
+every op in flight (work.py, program order).
+A tensor qualifies for a plan when it is a strided, contiguous CPU tensor, not
+nested, with storage and no Python dispatch (wrapper subclasses take the
+general path).
 """
 from __future__ import annotations
 
@@ -31,64 +31,12 @@ from typing import Optional, Sequence
 import torch
 
 from . import compiled, settings
-from .types import ReduceOp
 
 #: the compiled module's sources: csrc/module.cpp, which includes the others
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 SOURCE = os.path.join(CSRC, "module.cpp")
 MODULE = "mcrdl_facts"
 BUILD_TIMEOUT_S = 600
-
-_PLAIN = torch.Tensor.__torch_dispatch__  # subclasses that define their own dispatch to Python
-
-
-def _usable(t) -> bool:
-    return (isinstance(t, torch.Tensor) and type(t).__torch_dispatch__ is _PLAIN and t.layout is torch.strided
-            and t.is_cpu and not t.is_nested and torch._C._has_storage(t) and t.is_contiguous())
-
-
-def key(t) -> Optional[tuple]:
-    """(nbytes, dtype) of a qualifying tensor, else None."""
-    return (t.nbytes, t.dtype) if _usable(t) else None
-
-
-def pair(a, b) -> Optional[tuple]:
-    """(a's nbytes, dtype, shape, b's nbytes, dtype, shape) of two qualifying
-    tensors that share no byte, else None."""
-    if not (_usable(a) and _usable(b)):
-        return None
-    pa, pb, na, nb = a.data_ptr(), b.data_ptr(), a.nbytes, b.nbytes
-    if pa < pb + nb and pb < pa + na:
-        return None
-    return na, a.dtype, tuple(a.shape), nb, b.dtype, tuple(b.shape)
-
-
-def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int, apart=None) -> Optional[int]:
-    """The address of ``parts[0]`` when ``parts`` is a list or tuple of ``n``
-    qualifying tensors of ``dtype`` and ``nbytes`` bytes each, none requiring
-    grad, lying back to back in memory (``x.chunk(n)`` makes them) and sharing
-    no byte with the qualifying tensor ``apart`` (when given); else None."""
-    if type(dtype) is not torch.dtype:
-        raise TypeError("span: dtype must be a torch.dtype")
-    if type(parts) not in (list, tuple) or n < 1 or len(parts) != n:
-        return None
-    base = None
-    for i, t in enumerate(parts):
-        if not _usable(t) or t.dtype is not dtype or t.nbytes != nbytes or t.requires_grad:
-            return None
-        at = t.data_ptr()
-        if base is None:
-            base = at
-        elif at != base + i * nbytes:
-            return None
-    if apart is not None:
-        if not _usable(apart):
-            return None
-        at = apart.data_ptr()
-        if at < base + n * nbytes and base < at + apart.nbytes:
-            return None
-    return base
-
 
 #: What a plan is keyed on (an op's ``recipe``; csrc/tensor_facts.cpp numbers them alike).
 #: KEY: ``key(tensors[at])``; REDUCED: that, for a SUM that is not of bools
@@ -97,29 +45,6 @@ def span(parts: Sequence, n: int, dtype: torch.dtype, nbytes: int, apart=None) -
 #: PAIRED_REDUCED: that, for a SUM not of bools; P2P: ``(key, peer, tag)`` for int ones.
 RECIPES = ("KEY", "REDUCED", "ROOTED", "ROOTED_REDUCED", "PAIRED", "PAIRED_REDUCED", "P2P")
 KEY, REDUCED, ROOTED, ROOTED_REDUCED, PAIRED, PAIRED_REDUCED, P2P = range(len(RECIPES))
-_SUM = ReduceOp.SUM
-
-
-def plan_key(recipe: int, at: int, tensors: tuple, fixed: tuple):
-    """What a call's plan is keyed on, by ``recipe``; None: the call takes the general path."""
-    if recipe >= PAIRED:
-        if recipe == P2P:
-            if type(fixed[0]) is not int or type(fixed[1]) is not int:
-                return None
-            kind = key(tensors[at])
-            return None if kind is None else (kind, fixed[0], fixed[1])
-        if recipe == PAIRED_REDUCED and fixed[-1] is not _SUM:
-            return None
-        both = pair(tensors[1], tensors[0])
-        return None if both is None or (recipe == PAIRED_REDUCED and both[1] is torch.bool) else both
-    reduced, rooted = recipe in (REDUCED, ROOTED_REDUCED), recipe in (ROOTED, ROOTED_REDUCED)
-    if (reduced and fixed[-1] is not _SUM) or (rooted and type(fixed[0]) is not int):
-        return None
-    kind = key(tensors[at])
-    if kind is None or (reduced and kind[1] is torch.bool):
-        return None
-    return (kind, fixed[0]) if rooted else kind
-
 
 def extent(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [start, end) of memory a tensor may touch."""
@@ -212,13 +137,14 @@ def _load() -> tuple:
 #: a build that lacks one, or numbers the recipes otherwise, is refused at load (an
 #: error naming it, never a silent pure-Python fallback). ``mcrdl info`` prints them.
 BINDINGS = {
-    "key": "facts.key", "pair": "facts.pair", "plan_key": "facts.plan_key", "span": "facts.span",
+    "key": "a tensor's (nbytes, dtype) for a plan", "pair": "two tensors' facts for a plan",
+    "plan_key": "what a call's plan is keyed on", "span": "the address of a list's blocks back to back",
     "ranges": "facts.ranges",
-    "drive": "ops.run as api.run_op, the driver every API call goes through (calls from a plan)",
-    "setup": "what drive reads, given by ops.driver",
+    "drive": "api.run_op, the driver every API call goes through (the calls that run from a plan)",
+    "setup": "what drive reads of mcrdl.ops, by name (ops.driver)",
     "finished": "work._finished, Work.wait's common case",
-    "adopt": "MPI's compiled starters and Request type, which drive and finished use",
-    "adopt_starter": "another backend's compiled starter, which drive starts (shm's)",
+    "adopt_work": "what track and finished read of work.py (Work's slots, checked by name)",
+    "adopt_starter": "a backend's compiled starter, which drive starts, and its request type, which finished completes",
     "RLock": "threading.RLock as the engine's lock",
     "Beats": "the watchdog's heartbeat thread (watchdog.py)",
     "TorchMethod": "ProcessGroupMCRDL's common methods and MCRDLTorchWork.wait (TORCH_METHODS)",

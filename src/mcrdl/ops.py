@@ -1,33 +1,31 @@
-"""Every operation described once (:class:`Op`), and the one driver that runs
-them all (:func:`run`).
+"""Every operation described once (:class:`Op`), and the paths that run them.
 
 An :class:`Op` says what an operation is: the backend method that runs it,
 its tensors (which it reads, which it writes, which one a caller may pass as
 a list of per-rank blocks), its root or peer, whether it reduces, the size
-the selector keys on, and the checks that name bad input. :func:`run` serves
-every op from that description, in one of two ways:
+the selector keys on, and the checks that name bad input. The API hands each
+call to the driver :func:`driver` returns, which serves it in one of two ways:
 
-- **from a plan** (the fast path): on a group of this runtime, with debug
-  mode off and no outstanding work the call must order after (async ops:
-  ordered against it here), the facts an op reads from its tensors
-  (:mod:`mcrdl.facts`, compiled) key a plan its group keeps: checks passed,
-  backend chosen, the backend's starter set up. A repeated call starts and
-  waits (or returns its Work), nothing else. A call right after compute pays
-  for every line it runs in cache misses (docs/results/cold_calls.md), so
-  this path matters more in a training step than back to back.
-- **the general path** otherwise (first calls, odd tensors, debug mode):
-  check, order after conflicting outstanding work, make contiguous, private
-  or flat copies, map the reduction, select (debug fingerprint, size
-  agreement, autotune), start, and wait or return a Work.
-
-The API calls the driver :func:`driver` returns: csrc/driver.cpp's ``drive``, the
-compiled twin of :func:`run` for calls that have a plan (it hands the rest to
-:func:`run`, :func:`general`, :func:`planned` and :func:`blocked`), or
-:func:`run` itself where nothing is compiled.
+- **from a plan** (the fast path, compiled: csrc/driver.cpp's ``drive``, the
+  one implementation of it): on a group of this runtime, with debug mode off
+  and no outstanding work the call must order after (async ops: ordered
+  against it there), the facts an op reads from its tensors key a
+  :class:`Plan` the group keeps, made once by :func:`plan` from the general
+  path's checks: backend chosen, the backend's starter set up. A repeated
+  call starts and waits (or returns its Work), nothing else. A call right
+  after compute pays for every line it runs in cache misses
+  (docs/results/cold_calls.md), so this path matters more in a training step
+  than back to back.
+- **the general path** (:func:`general`) otherwise, and for every call
+  without the compiled module (no compiler, ``MCRDL_NATIVE=0``): check, order
+  after conflicting outstanding work, make contiguous, private or flat
+  copies, map the reduction, select (debug fingerprint, size agreement,
+  autotune), start, and wait or return a Work.
 """
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -45,13 +43,13 @@ from .work import DONE, AfterAll, Done, Engine, Work, _overlap, current_stream
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,
                     torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
 MAX_TAG = 2**31 - 1  # a C int (MPI's own bound, MPI_TAG_UB, may be lower)
-#: Largest list (bytes) whose spanning view a group remembers between calls: a view
-#: made per call cost gather and all_gather 1.1-1.6x raw MPI at 64-256 KiB per rank
+#: Largest list (bytes) whose view drive remembers between calls: a view made per call
+#: cost gather and all_gather 1.1-1.6x raw MPI at 64-256 KiB per rank
 #: (docs/results/hotpath.md). The memo keeps at most this much memory alive per list
 #: op and group after the caller let go of it.
 SPAN_MEMO_BYTES = 1 << 20
-#: The plans' tensor checks (facts.py): compiled once :func:`driver` ran.
-_plan_key, _key, _span_at = _facts.plan_key, _facts.key, _facts.span
+#: A single tensor's (nbytes, dtype) for a list op's plan: the compiled module's, once :func:`driver` ran.
+_key: Optional[Callable] = None
 
 
 class Op(NamedTuple):
@@ -181,22 +179,6 @@ def _a2a_check(op: str, g: Group, ts: tuple) -> None:
     _row_elements(op, ts[1], ts[0])
 
 
-def _counts(splits, size: int, shape: tuple, row: int) -> Optional[list]:
-    """Elements per peer from valid split sizes of a tensor of ``shape`` (a
-    list of ``size`` non-negative ints summing to its rows), else None (the
-    general path names what is wrong)."""
-    if type(splits) is not list or len(splits) != size:
-        return None
-    total = 0
-    for s in splits:
-        if type(s) is not int or s < 0:
-            return None
-        total += s
-    if total != (shape[0] if shape else 1):
-        return None
-    return splits if row == 1 else [s * row for s in splits]
-
-
 # -- the descriptions ---------------------------------------------------------------------
 def _nbytes(at: int, per_rank: bool = False):
     """The selector's size: tensor ``at``'s bytes (times the group size: a per-rank block)."""
@@ -229,74 +211,45 @@ ISEND, IRECV = SEND._replace(name="isend"), RECV._replace(name="irecv")
 
 
 # -- the driver ----------------------------------------------------------------------------
-def run(rt: Optional[Runtime], op: Op, group, async_op: bool, backend, tensors: tuple, fixed: tuple = (),
-        splits=None):
-    """Run ``op`` (see the module's docstring): None, or its Work with
-    ``async_op``. ``splits``: all_to_all_single's (output, input) split sizes."""
-    if (rt is not None and not rt.debug and not rt.engine.lost and (backend is None or type(backend) is str)
-            and (async_op or not rt.engine.outstanding)):
-        g = rt.world if group is None else group
-        if type(g) is Group and g.owner is rt and g.rank >= 0:
-            facts = _plan_key(op.recipe, op.at, tensors, fixed)
-            if facts is not None:
-                key = (op.name, facts, backend, async_op) if splits is None else (op.name, facts, backend, async_op, 0)
-                plan = g.starters.get(key)
-                if plan is None:
-                    plan = _remember(g, key, _plan(rt, g, op, tensors, fixed, backend, async_op, splits is None))
-                if plan:
-                    done = _from_plan(rt, g, op, plan, tensors, async_op, splits)
-                    if done is not _GENERAL:
-                        return done
-    return general(rt, op, group, async_op, backend, tensors, fixed, splits)
+class Plan(NamedTuple):
+    """How calls like one call run (csrc/driver.cpp reads it by these names): the
+    backend chosen, its started-call function ``start(*tensors, *fixed)``, the
+    bytes the selector keyed on, the root or peer (group rank; -1: none), and
+    ``extra``: a list op's single tensor's (nbytes, dtype), all_to_all_single's
+    elements per row, else None."""
+    backend: str
+    start: Callable
+    nbytes: int
+    peer: int
+    extra: object
 
 
 def driver() -> Callable:
-    """The driver calls go through: csrc/driver.cpp's ``drive`` (:func:`run` compiled
-    for the calls that run from a plan, handing every other call to it), or
-    :func:`run` itself without the compiled facts (no compiler, MCRDL_NATIVE=0)."""
-    global _plan_key, _key, _span_at
-    checks = _facts.load()
-    if checks is _facts:
-        return run
-    checks.setup(run, general, planned, blocked, could_not_start, Group, DONE, ReduceOp.SUM, _torch_profiler,
-                 Op._fields, Runtime, Engine)
-    _plan_key, _key, _span_at = checks.plan_key, checks.key, checks.span
-    _facts.provided("ops.run as api.run_op (calls from a plan)", "drive (csrc/driver.cpp)")
-    _facts.provided("facts.plan_key, facts.key, facts.span", "csrc/tensor_facts.cpp")
-    return checks.drive
+    """The driver the API calls (``api.run_op``): csrc/driver.cpp's ``drive``,
+    which runs calls from their plans and hands every other call to
+    :func:`general`; :func:`general` itself without the compiled module (no
+    compiler, or ``MCRDL_NATIVE=0``)."""
+    global _key
+    compiled = _facts.load()
+    if compiled is _facts:
+        return general
+    compiled.setup(sys.modules[__name__])
+    _key = compiled.key
+    _facts.provided("ops.general as api.run_op, for the calls that have a plan", "drive (csrc/driver.cpp)")
+    return compiled.drive
 
 
-def planned(rt: Runtime, g: Group, op: Op, plan: tuple, group, async_op: bool, backend, tensors: tuple,
-            fixed: tuple, splits):
-    """A call ``drive`` found the plan of but leaves to Python (observed, split
-    sizes that do not fit, a list not back to back, an async collective of no bytes)."""
-    done = _from_plan(rt, g, op, plan, tensors, async_op, splits)
-    return general(rt, op, group, async_op, backend, tensors, fixed, splits) if done is _GENERAL else done
-
-
-def could_not_start(op: Op, backend: str, exc: BaseException) -> CommError:
-    """The error of an async call whose start raised ``exc``."""
-    error = CommError(f"{op.name} on backend '{backend}' could not start: {exc}")
-    error.__cause__ = exc
-    return error
-
-
-def blocked(rt: Runtime, g: Group, op: Op, backend: str, pending, tensors: tuple) -> None:
-    """Wait for a call started from its plan that its start did not finish."""
-    rt.engine.block(op.name, backend, pending, g, _pick(tensors, op.reads), _pick(tensors, op.writes))
-
-
-#: What :func:`_from_plan` returns when the general path must run the call.
-_GENERAL = object()
-
-
-def _plan(rt: Runtime, g: Group, op: Op, tensors: tuple, fixed: tuple, backend, async_op: bool, even: bool):
-    """A plan for calls like this one, from the general path's checks:
-    (backend, start, bytes, root or peer, the single tensor's kind or the
-    elements per row); False when such calls always take the general path,
-    None while autotune explores the op's bucket (no plan is kept)."""
+def plan(rt: Runtime, g: Group, op: Op, key: tuple, tensors: tuple, fixed: tuple, backend, async_op: bool,
+         even: bool) -> Optional[Plan]:
+    """The :class:`Plan` ``drive`` keeps in ``g.plans`` under ``key`` for calls
+    like this one, made from the general path's checks (``even``: no split
+    sizes); None when such calls take the general path: ``g`` is not this
+    runtime's or this rank is not in it, the call must agree on sizes first,
+    or autotune explores the op's bucket (no plan is kept)."""
+    if g.owner is not rt or g.rank < 0:
+        return None
     name, i, extra = op.name, op.listed, None
-    if i >= 0:  # a list: spanned per call, the single tensor checked here
+    if i >= 0:  # a list: viewed per call by drive, the single tensor checked here
         single = tensors[1 - i]
         check(name, single, op.names[1 - i])
         root = _root(name, g, fixed[0], op.root) if op.root else -1
@@ -319,7 +272,7 @@ def _plan(rt: Runtime, g: Group, op: Op, tensors: tuple, fixed: tuple, backend, 
             _even_rows(name, g, *tensors)
         elif rt.selector.needs_agreement(name, g.size, backend) or (rt.autotune is not None
                                                                     and rt.autotune.explores(name, backend)):
-            return False  # ranks must agree on the size first
+            return None  # ranks must agree on the size first
     bfixed = (root, *fixed[1:]) if op.root else fixed
     nbytes = op.size(tensors, g.size)
     dtype, rop = tensors[op.block].dtype, fixed[-1] if op.reduces else None
@@ -335,121 +288,22 @@ def _plan(rt: Runtime, g: Group, op: Op, tensors: tuple, fixed: tuple, backend, 
     start = rt.backends[chosen].starter(op.method, g.handles[chosen], timeout, tensors, *bfixed)
     if tuner is not None and backend is None and op.collective:
         start = tuner.watched(rt, g, name, nbytes, start, timed=timed and not async_op)
-    return chosen, start, nbytes, root, extra
+    if len(g.plans) >= 4096:
+        g.plans.clear()
+    made = g.plans[key] = Plan(chosen, start, nbytes, root, extra)
+    return made
 
 
-def _remember(g: Group, key, plan):
-    """Keep ``plan`` as ``g``'s plan for ``key`` (at most 4096 per group); None
-    (no plan while autotune explores) is not kept."""
-    if plan is None:
-        return None
-    if len(g.starters) >= 4096:
-        g.starters.clear()
-    g.starters[key] = plan
-    return plan
+def could_not_start(op: Op, backend: str, exc: BaseException) -> CommError:
+    """The error of an async call whose start raised ``exc``."""
+    error = CommError(f"{op.name} on backend '{backend}' could not start: {exc}")
+    error.__cause__ = exc
+    return error
 
 
-def _from_plan(rt: Runtime, g: Group, op: Op, plan: tuple, tensors: tuple, async_op: bool, splits):
-    """Run one call from its plan; _GENERAL when this call must take the general path."""
-    backend, start, nbytes, peer, extra = plan
-    args, counts, result = tensors, None, None
-    if op.listed >= 0:  # the list as one view of its blocks, which must lie back to back
-        parts = tensors[op.listed]
-        tensors = args = _spanned(g, op, tensors, peer, extra)
-        if tensors is None:
-            return _GENERAL
-        if async_op and op.listed in op.writes:  # (its Work's result: the blocks, as the general path's)
-            result = list(parts or ())
-    elif op.split:
-        if splits is None:
-            args = (*tensors, None, None)
-        else:
-            out_counts = _counts(splits[0], g.size, tensors[0].shape, extra)
-            in_counts = _counts(splits[1], g.size, tensors[1].shape, extra)
-            if out_counts is None or in_counts is None:
-                return _GENERAL
-            args, counts = (*tensors, out_counts, in_counts), in_counts
-    if not nbytes and op.collective and not op.split:
-        return _skip(rt, op.name, async_op, _result(op, tensors) if result is None else result)
-    observer = rt.traced if _torch_profiler._is_profiler_enabled else rt.observer
-    if not async_op and observer is None:
-        pending = start(*args)
-        if pending is not DONE:
-            blocked(rt, g, op, backend, pending, tensors)
-        return None
-    reads, writes = _pick(tensors, op.reads), _pick(tensors, op.writes)
-    if counts is not None and observer is not None:  # (bytes per peer: the logger's Alltoallv counts)
-        counts = [c * tensors[1].element_size() for c in counts]
-    if not async_op:
-        end = observer.begin(op.name, backend, g, nbytes, False, peer, counts, reads, writes)
-        pending = start(*args)
-        if pending is DONE:  # (finished inside the backend: the observer's end alone)
-            end()
-        else:
-            rt.engine.block(op.name, backend, pending, g, reads, writes, (end,))
-        return None
-    engine = rt.engine
-    spans = engine.order_before(reads, writes, op.name) if engine.outstanding else None
-    post = () if observer is None else (observer.begin(op.name, backend, g, nbytes, True, peer, counts,
-                                                       reads, writes),)
-    try:
-        pending = start(*args)
-    except Exception as exc:
-        raise could_not_start(op, backend, exc)  # (its cause: exc)
-    work = engine.run(op.name, backend, pending, reads, writes, post, g,
-                      _result(op, tensors) if result is None else result, True, spans)
-    work.peer = peer
-    return work
-
-
-def _pick(tensors: tuple, at: tuple) -> tuple:
-    return tuple([tensors[i] for i in at if tensors[i] is not None])
-
-
-def _result(op: Op, tensors: tuple) -> list:
-    """What an async op's ``Work.result()`` returns: the tensors it writes (a send: its tensor)."""
-    return list(_pick(tensors, op.writes or op.reads))
-
-
-def _spanned(g: Group, op: Op, tensors: tuple, root: int, kind: tuple) -> Optional[tuple]:
-    """``tensors`` with the list replaced by one view of its blocks (None on a
-    rank that passes no list), or None when it cannot be (the general path copies)."""
-    i = op.listed
-    parts, single = tensors[i], tensors[1 - i]
-    if op.at_root and g.rank != root:
-        if parts:
-            return None
-        whole = None
-    else:
-        whole = span(g, op.name, parts, kind, single)
-        if whole is None:
-            return None
-    return (whole, single) if i == 0 else (single, whole)
-
-
-def span(g: Group, op: str, parts, kind: tuple, apart=None) -> Optional[torch.Tensor]:
-    """One flat tensor over ``parts`` if they are ``g.size`` tensors of
-    ``kind`` (nbytes, dtype) lying back to back in memory (as ``x.chunk(n)``
-    makes them) and sharing no byte with tensor ``apart`` (when given), else
-    None: the general path checks and copies. A group remembers the view of
-    its last small list per op: a list at the same address next time reuses
-    it while the view is still there (its storage keeps that memory allocated
-    unless it was resized or freed in place, as FSDP frees parameters: then
-    the view has moved and is not reused)."""
-    nbytes, dtype = kind
-    at = _span_at(parts, g.size, dtype, nbytes, apart)
-    if at is None:
-        return None
-    memo = g.starters.get(op)  # (address, nbytes, dtype, view), under the op's bare name (plans: tuples)
-    if memo is not None and memo[0] == at and memo[1] == nbytes and memo[2] is dtype and memo[3].data_ptr() == at:
-        return memo[3]
-    try:  # a view of the first part's storage, which must hold them all
-        whole = parts[0].as_strided((g.size * parts[0].numel(),), (1,))
-    except RuntimeError:
-        return None
-    if nbytes * g.size <= SPAN_MEMO_BYTES:
-        _remember(g, op, (at, nbytes, dtype, whole))
-    return whole
+def blocked(rt: Runtime, g: Group, op: Op, backend: str, pending, reads: tuple, writes: tuple, post: tuple) -> None:
+    """Wait for a blocking call started from its plan that its start did not finish."""
+    rt.engine.block(op.name, backend, pending, g, reads, writes, post)
 
 
 # -- the general path ------------------------------------------------------------------------

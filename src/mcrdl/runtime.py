@@ -35,7 +35,7 @@ class Group:
     a torch process group behind one object)."""
 
     __slots__ = ("ranks", "rank", "size", "handles", "timeout", "name", "seq", "owner", "_index",
-                 "starters", "tuned", "trying", "tuned_calls", "declined", "declined_async")
+                 "plans", "tuned", "trying", "tuned_calls", "declined", "declined_async")
 
     def __init__(self, ranks: Sequence[int], my_global_rank: int, timeout: float, name: str,
                  owner: "Runtime"):
@@ -52,8 +52,9 @@ class Group:
         #: the same for selected async calls: also the backends whose async calls would slow the caller
         self.declined_async: tuple = ()
         self.seq = 0  # collectives issued (debug mode fingerprints)
-        #: (nbytes, dtype, backend=) -> (backend chosen, all_reduce starter): the fast path's plans
-        self.starters: dict = {}
+        #: csrc/driver.cpp's: (op, tensor facts, backend, async_op[, 0: split sizes]) -> its ops.Plan,
+        #: and a list op's name -> its last small list's view (address, nbytes, dtype, view)
+        self.plans: dict = {}
         #: autotune's buckets of this group ((class, device, bucket) -> Bucket; mcrdl.autotune). Per
         #: object, not per name: torch reuses a destroyed group's name for another group.
         self.tuned: dict = {}
@@ -503,7 +504,7 @@ class Runtime:
             if bname in self.backends:
                 self.backends[bname].destroy_group(handle)
         group.handles.clear()
-        group.starters.clear()
+        group.plans.clear()
         if group in self.groups:
             self.groups.remove(group)
 

@@ -295,8 +295,9 @@ def _finished(work: "Work", burst: int, turns: int) -> bool:
 class Work:
     """Handle of an operation on any backend (``torch.distributed.Work``-like)."""
 
-    # (csrc/engine.cpp's track() makes async MPI works from a plan and sets every slot, as
-    # __init__ does; finished() completes them as _finish does: a new slot goes there too)
+    # (csrc/engine.cpp's track() makes async works from a plan and sets every slot, as
+    # __init__ does; finished() completes them as _finish does: a new slot goes there too,
+    # or adopt_work refuses this class, naming it)
     __slots__ = ("op", "backend", "group", "peer", "_engine", "_pending", "_post", "_reads", "_writes",
                  "_deadline", "_done", "_error", "_result", "_future", "_settled", "_spans", "_stream")
 
@@ -479,6 +480,7 @@ class Engine:
         global _finished
         _finished = getattr(compiled, "finished", _finished)
         if compiled is not facts:
+            compiled.adopt_work(Work, RECEIVES)
             facts.provided("threading.RLock as the engine's lock", "RLock (csrc/engine.cpp)")
             facts.provided("work._finished (Work.wait's common case)", "finished (csrc/engine.cpp)")
             facts.provided("facts.ranges (async ops' memory)", "ranges (csrc/tensor_facts.cpp)")

@@ -127,7 +127,7 @@ def ops():
     # a frozen bucket runs on its fast path, with the winner's plan
     t = torch.ones(256)
     mcrdl.all_reduce(t)
-    plan = api._runtime.world.starters[("all_reduce", (t.nbytes, t.dtype), None, False)]  # (the blocking all_reduce plan key)
+    plan = api._runtime.world.plans[("all_reduce", (t.nbytes, t.dtype), None, False)]  # (the blocking all_reduce plan key)
     winner = next(w for op, lo, w, _, _ in won if op == "all_reduce" and lo <= t.nbytes < 2 * max(lo, 1))
     check(plan[0] == winner, "fast path plans", plan[0], "but the winner is", winner)
     check("autotune" in mcrdl.explain("all_reduce", t), mcrdl.explain("all_reduce", t))

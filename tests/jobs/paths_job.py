@@ -1,9 +1,9 @@
 """Every op through each of mcrdl's drivers, called again and again with fresh
 inputs, checked against local references: the API's own driver (csrc/driver.cpp's
-compiled ``drive`` where it built: its calls after the first run from the plan,
-with the compiled MPI starters called from C), the Python driver (``ops.run``,
-from the same plans) and the general path (``ops.general``, no plan), x dtypes x
-sizes from 0 B to 4 MiB x blocking/async, on every live CPU backend.
+compiled ``drive`` where it built: its calls run from the plan, with the compiled
+starters called from C) and the general path (``ops.general``, no plan: what the
+pure-Python build runs), x dtypes x sizes from 0 B to 4 MiB x blocking/async, on
+every live CPU backend.
 
     paths_job.py [--sizes 0,1,7,16384,1048576] [backend ...]
 """
@@ -26,8 +26,8 @@ engine = api.current_runtime().engine
 verdicts.set_rank(rank)
 ALL, ROOT = tuple(range(world)), world - 1
 #: the driver the API's functions call, swapped per pass (``api.run_op``)
-DRIVERS = {"api": api.run_op, "python": ops.run, "general": ops.general}
-CALLS = 3  # per driver: the first may build the plan, the rest run from it
+DRIVERS = {"api": api.run_op, "general": ops.general}
+CALLS = 3  # per driver: the first makes the plan
 DTYPES = (torch.float32, torch.int32, torch.float16)  # MPI reduces float16 widened: the general path
 LARGE = 16 << 10  # from here float32 only
 

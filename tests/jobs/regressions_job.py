@@ -293,6 +293,21 @@ def span_memo():
             expect_result(call())
             expect_gathered(moved)
             check(torch.equal(other, old), op, backend, "wrote into the tensors' former memory")
+    # A list at the remembered address after the view's storage was freed in place (as
+    # FSDP frees parameters) gets a view of its own memory: every rank makes the same calls.
+    reused = 0
+    for _ in range(20):
+        old = torch.zeros(1 << 22)
+        at = old.data_ptr()
+        mcrdl.all_gather(list(old[:2 * world].chunk(world)), torch.full((2,), float(rank + 1)), backend="mpi")
+        old.untyped_storage().resize_(0)
+        del old
+        new = torch.zeros(1 << 22)
+        reused += new.data_ptr() == at
+        mcrdl.all_gather(list(new[:2 * world].chunk(world)), torch.full((2,), float(rank + 1)), backend="mpi")
+        want = torch.arange(1, world + 1, dtype=torch.float32).repeat_interleave(2)
+        check(torch.equal(new[:2 * world], want), "all_gather into memory freed and handed out again", new[:8])
+    print(f"rank {rank}: the freed address came back {reused} of 20 times")
 
 
 def plan_fit():

@@ -103,7 +103,7 @@ def narrow():
     level, shm.level = shm.level, 1  # as on an AVX2-only host
     rt.selector._capable.clear()
     rt.selector._cache.clear()
-    rt.world.starters.clear()
+    rt.world.plans.clear()
     try:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for async_op in (False, True):
@@ -115,7 +115,7 @@ def narrow():
         shm.level = level
         rt.selector._capable.clear()
         rt.selector._cache.clear()
-        rt.world.starters.clear()
+        rt.world.plans.clear()
     verdicts.finished("narrow")
 
 

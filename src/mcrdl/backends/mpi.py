@@ -29,7 +29,7 @@ import torch
 
 from .. import facts, settings
 from ..types import ReduceOp
-from ..work import DONE, RECEIVES, Pending, Work, busy_seconds, current_stream, spin_until
+from ..work import DONE, Pending, busy_seconds, current_stream, spin_until
 from . import native as native_path
 from .base import ANY_SOURCE, OPS, Backend, Context
 
@@ -309,7 +309,8 @@ class MPIBackend(Backend):
             self.native.set_busy(busy_seconds())
             checks = facts.load()
             if checks is not facts:  # the compiled driver starts its starters without Python
-                checks.adopt(self.native.Starter, self.native.start, self.native.Request, Work, RECEIVES)
+                checks.adopt_starter(self.native.Starter, self.native.start, self.native.Request,
+                                     MPIPending.progress_domain)
                 facts.provided("MPIBackend's starts of planned calls", "Starter (backends/mpi_native.c), "
                                "started by drive")
         self.rows_rule = rows_rule(self.version())

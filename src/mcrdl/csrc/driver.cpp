@@ -1,12 +1,13 @@
-// The compiled driver: drive() runs a call from its plan (ops.run, compiled up to
-// the plan: a blocking call started here, an async one ordered, started and
-// tracked by start_async()), hands calls with a plan it leaves to ops.planned,
-// calls that never have one to ops.general and the rest to ops.run (which builds
-// the plans); setup() gives it what it reads.
-// Mirrors: ops.run and ops._from_plan (the pure-Python build's driver).
+// The compiled driver: drive() runs a call from its plan, the one implementation
+// of that: looks the call's plan up (ops.plan makes it on a miss), starts a
+// blocking call here (ops.blocked waits when its start did not finish it), orders,
+// starts and tracks an async one (start_async()), and tells the logger and the
+// profiler (the observer's begin and end) when one is on; every call that does
+// not run from a plan goes to ops.general. setup() reads what it needs of
+// mcrdl.ops by name.
+// Mirrors: nothing in Python (the pure-Python build runs every call on ops.general).
 // Covered by: tests/test_collectives.py and tests/test_regressions.py (every op
-// and form, compiled and MCRDL_NATIVE=0), tests/test_hotpath.py.
-
+// and form, compiled and MCRDL_NATIVE=0), tests/test_hotpath.py, tests/test_logger.py.
 // The error being raised, taken (cleared), normalized and with its traceback;
 // nullptr if none.
 PyObject *raised()
@@ -35,26 +36,24 @@ PyObject *unstarted(PyObject *op, PyObject *backend)
     return nullptr;
 }
 
-// An async call from its plan (ops._from_plan's async branch, with no observer):
-// ordered after outstanding work on the same memory, started, tracked by the
-// engine; its Work.
-PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *plan, PyObject *tensors,
-                      PyObject *const *argv, Py_ssize_t argc, PyObject *listed_result)
+// An async call from its plan: ordered after outstanding work on the same
+// memory, started, tracked by the engine (track(), or Engine.run when it has
+// completion steps: ``post``, the observer's end); its Work.
+PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *plan, PyObject *reads, PyObject *writes,
+                      PyObject *const *argv, Py_ssize_t argc, PyObject *listed_result, PyObject *post)
 {
-    THPObjectPtr reads(pick(tensors, PyTuple_GET_ITEM(op, D.reads)));
-    THPObjectPtr writes(reads ? pick(tensors, PyTuple_GET_ITEM(op, D.writes)) : nullptr);
-    THPObjectPtr outstanding(writes ? get(engine, a_outstanding) : nullptr);
+    THPObjectPtr outstanding(get(engine, a_outstanding));
     if (!outstanding)
         return nullptr;
     int busy = PyObject_IsTrue(outstanding.get());
     if (busy < 0)
         return nullptr;
-    PyObject *name = PyTuple_GET_ITEM(op, D.name), *backend = PyTuple_GET_ITEM(plan, 0);
+    PyObject *name = PyTuple_GET_ITEM(op, D.name), *backend = PyTuple_GET_ITEM(plan, D.backend);
     THPObjectPtr spans;
     if (busy) {
-        spans = THPObjectPtr(clear_of(engine, reads.get(), writes.get()));
+        spans = THPObjectPtr(clear_of(engine, reads, writes));
         if (spans.get() == Py_None) {
-            PyObject *order_args[4] = {engine, reads.get(), writes.get(), name};
+            PyObject *order_args[4] = {engine, reads, writes, name};
             spans = THPObjectPtr(PyObject_VectorcallMethod(s_order_before, order_args,
                                                            4 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
         }
@@ -64,7 +63,7 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     }
     if (!spans)
         return nullptr;
-    THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, 1), argv, argc));
+    THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, D.start), argv, argc));
     if (!pending)
         return unstarted(op, backend);
     // A send or receive often completes in its start (an eager send, a message
@@ -74,7 +73,8 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     // handling (the peers' verdict, the flight recorder, the abort at exit).
     bool done = false;
     THPObjectPtr failed;
-    if (Py_TYPE(pending.get()) == W.request && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 0) {
+    bool steps = PyTuple_GET_SIZE(post) > 0;
+    if (!steps && domain_of(Py_TYPE(pending.get())) != nullptr && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 0) {
         PyObject *request = pending.get();
         THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &request, 1, nullptr));
         if (!tested) {
@@ -84,17 +84,18 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
             done = tested.get() == Py_True;
     }
     THPObjectPtr result(listed_result != nullptr ? Py_NewRef(listed_result)
-                        : PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes.get() : reads.get()));
+                        : PySequence_List(PyTuple_GET_SIZE(PyTuple_GET_ITEM(op, D.writes)) ? writes : reads));
     if (!result)
         return nullptr;
-    PyObject *work = track(engine, g, name, backend, pending.get(), reads.get(), writes.get(), result.get(), spans.get(),
-                           PyTuple_GET_ITEM(plan, 3), done);
+    PyObject *work = steps ? Py_NewRef(Py_None)
+                           : track(engine, g, name, backend, pending.get(), reads, writes, result.get(), spans.get(),
+                                   PyTuple_GET_ITEM(plan, D.peer), done);
     if (work == Py_None) {
         Py_DECREF(work);
-        PyObject *run_args[11] = {engine, name, backend, pending.get(), reads.get(), writes.get(), D.empty, g,
+        PyObject *run_args[11] = {engine, name, backend, pending.get(), reads, writes, post, g,
                                   result.get(), Py_True, spans.get()};
         work = PyObject_VectorcallMethod(s_run, run_args, 11 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
-        if (work != nullptr && PyObject_SetAttr(work, s_peer, PyTuple_GET_ITEM(plan, 3)) < 0)
+        if (work != nullptr && PyObject_SetAttr(work, s_peer, PyTuple_GET_ITEM(plan, D.peer)) < 0)
             Py_CLEAR(work);
     }
     if (work != nullptr && failed) {
@@ -107,22 +108,38 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     return work;
 }
 
-// drive(rt, op, group, async_op, backend[, tensors[, fixed[, splits]]]):
-// ops.run, compiled up to the plan: it checks what ops.run checks and looks
-// the call's plan up. A blocking call with the logger and the profiler off,
-// valid split sizes (if any), and a list (if any) of blocks back to back, it
-// then starts here, handing it to ops.blocked when its start did not finish
-// it; an async call of some bytes it orders, starts and hands to the engine
-// (start_async), its list viewed and its split sizes counted as a blocking
-// call's; other calls with a plan go to
-// ops.planned, calls that never have one to ops.general, and the rest to
-// ops.run (which also builds the plans).
+// The call to ops.general: every call drive() does not run from a plan.
+inline PyObject *general(PyObject *const *args, Py_ssize_t n) { return PyObject_Vectorcall(D.general, args, n, nullptr); }
+
+// Bytes per peer from element counts (the logger's Alltoallv counts).
+PyObject *bytes_of(PyObject *counts, Py_ssize_t element)
+{
+    PyObject *out = PyList_New(PyList_GET_SIZE(counts));
+    for (Py_ssize_t i = 0; out != nullptr && i < PyList_GET_SIZE(counts); i++) {
+        PyObject *v = PyLong_FromLongLong(PyLong_AsLongLong(PyList_GET_ITEM(counts, i)) * element);
+        if (v == nullptr)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+// drive(rt, op, group, async_op, backend[, tensors[, fixed[, splits]]]): the
+// driver every API call goes through (api.run_op). A call on a group of this
+// runtime, with debug mode off and (a blocking call) nothing outstanding, whose
+// tensors have the facts a plan is keyed on, runs from the group's plan for it
+// (made by ops.plan on the first such call): its list (if any) as the view of
+// its blocks back to back, its split sizes (if any) as counts, started here and
+// waited for by ops.blocked when its start did not finish it, or (async) ordered,
+// started and handed to the engine; the observer (logger, profiler) told when
+// one is on. Every other call goes to ops.general, which also names bad input.
 PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no torch warning handler: drive reads tensors only through plan_key_of and span)
     if (n < 6 || n > 8) {
         PyErr_Format(PyExc_TypeError, "drive takes 6 to 8 arguments (%zd given)", n);
         return nullptr;
     }
-    if (D.slow == nullptr) {
+    if (D.general == nullptr) {
         PyErr_SetString(PyExc_RuntimeError, "drive: setup() has not run");
         return nullptr;
     }
@@ -132,24 +149,24 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         || PyTuple_GET_SIZE(tensors) > 2 || !PyTuple_CheckExact(fixed)
         || (backend != Py_None && !PyUnicode_CheckExact(backend)) || !PyTuple_Check(op)
         || PyTuple_GET_SIZE(op) <= D.last)
-        return PyObject_Vectorcall(D.slow, args, n, nullptr);
+        return general(args, n);
     int state;
     if ((state = truth(rt, a_debug)) != 0)
-        return state < 0 ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
+        return state < 0 ? nullptr : general(args, n);
     THPObjectPtr engine(get(rt, a_engine));
     if (!engine)
         return nullptr;
     state = async_op == Py_True ? 0 : truth(engine.get(), a_outstanding);
     if (state != 0 || (state = truth(engine.get(), a_lost)) != 0)
-        return state < 0 ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
+        return state < 0 ? nullptr : general(args, n);
     THPObjectPtr g(group == Py_None ? get(rt, a_world) : (Py_INCREF(group), group));
     if (!g)
         return nullptr;
     // (A group holds plans only while it belongs to the live runtime and this
-    // rank is in it: ops.run builds them after checking both, and destroying
+    // rank is in it: ops.plan makes them after checking both, and destroying
     // the group or the runtime clears them. So a plan found is a plan to run.)
     if (Py_TYPE(g.get()) != reinterpret_cast<PyTypeObject *>(D.group_type))
-        return PyObject_Vectorcall(D.slow, args, n, nullptr);
+        return general(args, n);
     long recipe = PyLong_AsLong(PyTuple_GET_ITEM(op, D.recipe));
     Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, D.at)),
                listed = PyLong_AsSsize_t(PyTuple_GET_ITEM(op, D.listed));
@@ -159,26 +176,33 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     if (!facts)
         return nullptr;
     if (facts.get() == Py_None) // (no plan for such calls: CUDA tensors, lists of copies, other reductions)
-        return PyObject_Vectorcall(D.general, args, n, nullptr);
+        return general(args, n);
     PyObject *name = PyTuple_GET_ITEM(op, D.name);
     THPObjectPtr key(splits == Py_None ? PyTuple_Pack(4, name, facts.get(), backend, async_op)
                                        : PyTuple_Pack(5, name, facts.get(), backend, async_op, D.zero));
-    THPObjectPtr starters(key ? get(g.get(), a_starters) : nullptr);
-    if (!starters)
+    THPObjectPtr plans(key ? get(g.get(), a_plans) : nullptr);
+    if (!plans)
         return nullptr;
-    PyObject *plan = PyDict_CheckExact(starters.get()) ? PyDict_GetItemWithError(starters.get(), key.get()) : nullptr;
-    if (plan == nullptr || !PyTuple_CheckExact(plan) || PyTuple_GET_SIZE(plan) != 5)
-        return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.slow, args, n, nullptr);
-    Py_INCREF(plan);
-    THPObjectPtr held(plan); // (a start may replace the group's plans)
-    PyObject *planned_args[10] = {rt, g.get(), op, plan, group, async_op, backend, tensors, fixed, splits};
-    if ((state = truth(D.profiler, s_enabled)) != 0)
-        return state < 0 ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
-    THPObjectPtr observer(get(rt, a_observer));
+    PyObject *found = PyDict_CheckExact(plans.get()) ? PyDict_GetItemWithError(plans.get(), key.get()) : nullptr;
+    if (found == nullptr && PyErr_Occurred())
+        return nullptr;
+    THPObjectPtr held; // (a start may replace the group's plans)
+    if (found == nullptr) {
+        PyObject *plan_args[9] = {rt, g.get(), op, key.get(), tensors, fixed, backend, async_op,
+                                  splits == Py_None ? Py_True : Py_False};
+        held = THPObjectPtr(PyObject_Vectorcall(D.plan, plan_args, 9, nullptr));
+        if (!held)
+            return nullptr;
+    } else
+        held = THPObjectPtr(Py_NewRef(found));
+    if (Py_TYPE(held.get()) != reinterpret_cast<PyTypeObject *>(D.plan_type))
+        return general(args, n); // (None: no plan for calls like this one)
+    PyObject *plan = held.get();
+    if ((state = truth(D.profiler, s_enabled)) < 0)
+        return nullptr;
+    THPObjectPtr observer(state ? PyObject_GetAttr(rt, s_traced) : get(rt, a_observer));
     if (!observer)
         return nullptr;
-    if (observer.get() != Py_None)
-        return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
     PyObject *argv[4];
     Py_ssize_t argc = PyTuple_GET_SIZE(tensors);
     for (Py_ssize_t i = 0; i < argc; i++)
@@ -186,25 +210,22 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     THPObjectPtr whole, call, out_counts, in_counts, listed_result;
     if (listed >= 0) { // the list as the view of its blocks the group remembers
         if (argc != 2 || listed > 1)
-            return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+            return general(args, n);
         PyObject *parts = argv[listed], *single = argv[1 - listed];
         THPObjectPtr rank(get(g.get(), a_rank));
-        long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, 3)), my_rank = rank ? PyLong_AsLong(rank.get()) : -1;
+        long root = PyLong_AsLong(PyTuple_GET_ITEM(plan, D.peer)), my_rank = rank ? PyLong_AsLong(rank.get()) : -1;
         if (PyErr_Occurred())
             return nullptr;
         if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.at_root)) == 1 && root != my_rank) {
             int has = parts == Py_None ? 0 : PyObject_IsTrue(parts);
-            if (has < 0)
-                return nullptr;
-            if (has == 0) { // (a list here: ops.planned sends the call to the general path)
-                Py_INCREF(Py_None);
-                whole = THPObjectPtr(Py_None);
-            }
+            if (has != 0) // (a list here: the general path names it)
+                return has < 0 ? nullptr : general(args, n);
+            whole = THPObjectPtr(Py_NewRef(Py_None));
         } else {
-            whole = THPObjectPtr(list_view(g.get(), name, parts, PyTuple_GET_ITEM(plan, 4), single));
+            whole = THPObjectPtr(list_view(g.get(), name, parts, PyTuple_GET_ITEM(plan, D.extra), single));
+            if (!whole)
+                return PyErr_Occurred() ? nullptr : general(args, n);
         }
-        if (!whole)
-            return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
         int written = async_op == Py_True ? PySequence_Contains(PyTuple_GET_ITEM(op, D.writes), PyTuple_GET_ITEM(op, D.listed)) : 0;
         if (written < 0)
             return nullptr;
@@ -218,104 +239,163 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         if (!call)
             return nullptr;
     } else {
-        Py_INCREF(tensors);
-        call = THPObjectPtr(tensors);
+        call = THPObjectPtr(Py_NewRef(tensors));
     }
     if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.split)) == 1) {
         argv[argc] = argv[argc + 1] = Py_None;
         if (splits != Py_None) { // (output, input) split sizes as element counts per peer
             const at::Tensor *out = usable(argv[0]), *in = usable(argv[1]);
-            long long row = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, 4));
+            long long row = PyLong_AsLongLong(PyTuple_GET_ITEM(plan, D.extra));
             if (!PyTuple_CheckExact(splits) || PyTuple_GET_SIZE(splits) != 2 || out == nullptr || in == nullptr
                 || row < 0)
-                return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+                return PyErr_Occurred() ? nullptr : general(args, n);
             Py_ssize_t size = PyLong_AsSsize_t(THPObjectPtr(get(g.get(), a_size)).get());
             out_counts = THPObjectPtr(counts_of(PyTuple_GET_ITEM(splits, 0), size, out->dim() ? out->size(0) : 1, row));
             in_counts = THPObjectPtr(out_counts ? counts_of(PyTuple_GET_ITEM(splits, 1), size,
                                                             in->dim() ? in->size(0) : 1, row) : nullptr);
-            if (!in_counts)
-                return PyErr_Occurred() ? nullptr : PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+            if (!in_counts) // (the general path names what is wrong)
+                return PyErr_Occurred() ? nullptr : general(args, n);
             argv[argc] = out_counts.get();
             argv[argc + 1] = in_counts.get();
         }
         argc += 2;
     } else if (PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 1) {
-        size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, 2));
+        size_t nbytes = PyLong_AsSize_t(PyTuple_GET_ITEM(plan, D.nbytes));
         if (nbytes == static_cast<size_t>(-1) && PyErr_Occurred())
             return nullptr;
-        if (nbytes == 0) { // every rank skips a zero-byte collective (an async one: ops.planned's done Work)
+        if (nbytes == 0) { // every rank skips a zero-byte collective (an async one: the general path's done Work)
             if (async_op == Py_True)
-                return PyObject_Vectorcall(D.planned, planned_args, 10, nullptr);
+                return general(args, n);
             Py_RETURN_NONE;
         }
     }
-    if (async_op == Py_True)
-        return start_async(engine.get(), g.get(), op, plan, call.get(), argv, argc, listed_result.get());
-    PyObject *pending = start_plan(PyTuple_GET_ITEM(plan, 1), argv, argc);
-    if (pending == nullptr || pending == D.done) {
-        Py_XDECREF(pending);
-        return pending == nullptr ? nullptr : (Py_INCREF(Py_None), Py_None);
+    bool observed = observer.get() != Py_None;
+    PyObject *chosen = PyTuple_GET_ITEM(plan, D.backend);
+    THPObjectPtr reads, writes, end, post;
+    if (observed || async_op == Py_True) {
+        reads = THPObjectPtr(pick(call.get(), PyTuple_GET_ITEM(op, D.reads)));
+        writes = THPObjectPtr(reads ? pick(call.get(), PyTuple_GET_ITEM(op, D.writes)) : nullptr);
+        if (!writes)
+            return nullptr;
     }
-    PyObject *bargs[6] = {rt, g.get(), op, PyTuple_GET_ITEM(plan, 0), pending, call.get()};
-    PyObject *out = PyObject_Vectorcall(D.blocked, bargs, 6, nullptr);
-    Py_DECREF(pending);
-    return out;
+    if (observed) { // the observer's begin now, its end when the call completes
+        THPObjectPtr counts(in_counts ? bytes_of(in_counts.get(), usable(argv[1])->element_size()) : Py_NewRef(Py_None));
+        if (!counts)
+            return nullptr;
+        PyObject *begin_args[10] = {observer.get(), name, chosen, g.get(), PyTuple_GET_ITEM(plan, D.nbytes), async_op,
+                                    PyTuple_GET_ITEM(plan, D.peer), counts.get(), reads.get(), writes.get()};
+        end = THPObjectPtr(PyObject_VectorcallMethod(s_begin, begin_args, 10 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+        post = THPObjectPtr(end ? PyTuple_Pack(1, end.get()) : nullptr);
+        if (!post)
+            return nullptr;
+    } else
+        post = THPObjectPtr(Py_NewRef(D.empty));
+    if (async_op == Py_True)
+        return start_async(engine.get(), g.get(), op, plan, reads.get(), writes.get(), argv, argc, listed_result.get(),
+                           post.get());
+    THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, D.start), argv, argc));
+    if (!pending)
+        return nullptr;
+    if (pending.get() == D.done) // (finished inside the backend: the observer's end alone)
+        return observed ? PyObject_CallNoArgs(end.get()) : Py_NewRef(Py_None);
+    if (!reads) {
+        reads = THPObjectPtr(pick(call.get(), PyTuple_GET_ITEM(op, D.reads)));
+        writes = THPObjectPtr(reads ? pick(call.get(), PyTuple_GET_ITEM(op, D.writes)) : nullptr);
+        if (!writes)
+            return nullptr;
+    }
+    PyObject *bargs[8] = {rt, g.get(), op, chosen, pending.get(), reads.get(), writes.get(), post.get()};
+    return PyObject_Vectorcall(D.blocked, bargs, 8, nullptr);
 } catch (const std::exception &e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
 }
 
-Py_ssize_t field(PyObject *fields, const char *name)
+// The index of field ``name`` of namedtuple ``type`` (its _fields); -1 with an error.
+Py_ssize_t field(PyObject *fields, const char *type, const char *name)
 {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(fields); i++)
+    for (Py_ssize_t i = 0; PyTuple_Check(fields) && i < PyTuple_GET_SIZE(fields); i++)
         if (PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(fields, i), name) == 0)
             return i;
-    PyErr_Format(PyExc_ValueError, "setup: Op has no field %s", name);
+    PyErr_Format(PyExc_ValueError, "setup: ops.%s has no field %s", type, name);
     return -1;
 }
 
-// setup(run, general, planned, blocked, could_not_start, Group, DONE, SUM, profiler module, Op._fields,
-// Runtime, Engine):
-// what drive() needs.
+// ops.<name>, a new reference; nullptr with an error naming it.
+PyObject *named(PyObject *ops, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(ops, name);
+    if (v == nullptr)
+        PyErr_Format(PyExc_AttributeError, "setup: mcrdl.ops has no %s, which drive needs", name);
+    return v;
+}
+
+// setup(ops): what drive() reads, taken from the module mcrdl.ops by name (its
+// functions general, plan, blocked, could_not_start; its Op and Plan fields;
+// the Group, Runtime and Engine types' slots; DONE, ReduceOp.SUM, the
+// profiler module and SPAN_MEMO_BYTES).
 PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs("setup", n, 12))
+    if (!nargs("setup", n, 1))
         return nullptr;
-    PyObject *fields = args[9];
-    if (!PyTuple_Check(fields) || !PyType_Check(args[5]) || !PyType_Check(args[10]) || !PyType_Check(args[11])) {
-        PyErr_SetString(PyExc_TypeError, "setup: the Group type, Op._fields, the Runtime and Engine types");
+    PyObject *ops = args[0];
+    THPObjectPtr op_type(named(ops, "Op")), plan_type(op_type ? named(ops, "Plan") : nullptr),
+        runtime_type(plan_type ? named(ops, "Runtime") : nullptr),
+        engine_type(runtime_type ? named(ops, "Engine") : nullptr), group_type(engine_type ? named(ops, "Group") : nullptr),
+        reduce_op(group_type ? named(ops, "ReduceOp") : nullptr),
+        memo(reduce_op ? named(ops, "SPAN_MEMO_BYTES") : nullptr);
+    if (!memo)
         return nullptr;
-    }
+    struct { PyObject *value; const char *name; } types[] = {{op_type.get(), "Op"}, {plan_type.get(), "Plan"},
+        {runtime_type.get(), "Runtime"}, {engine_type.get(), "Engine"}, {group_type.get(), "Group"}};
+    for (auto &entry : types)
+        if (!PyType_Check(entry.value)) {
+            PyErr_Format(PyExc_TypeError, "setup: ops.%s is not a type", entry.name);
+            return nullptr;
+        }
+    THPObjectPtr op_fields(PyObject_GetAttrString(op_type.get(), "_fields")),
+        plan_fields(op_fields ? PyObject_GetAttrString(plan_type.get(), "_fields") : nullptr);
+    if (!plan_fields)
+        return nullptr;
     Driver d;
-    if ((d.name = field(fields, "name")) < 0 || (d.recipe = field(fields, "recipe")) < 0
-        || (d.at = field(fields, "at")) < 0 || (d.listed = field(fields, "listed")) < 0
-        || (d.at_root = field(fields, "at_root")) < 0 || (d.collective = field(fields, "collective")) < 0
-        || (d.split = field(fields, "split")) < 0
-        || (d.reads = field(fields, "reads")) < 0 || (d.writes = field(fields, "writes")) < 0)
+    PyObject *of = op_fields.get(), *pf = plan_fields.get();
+    if ((d.name = field(of, "Op", "name")) < 0 || (d.recipe = field(of, "Op", "recipe")) < 0
+        || (d.at = field(of, "Op", "at")) < 0 || (d.listed = field(of, "Op", "listed")) < 0
+        || (d.at_root = field(of, "Op", "at_root")) < 0 || (d.collective = field(of, "Op", "collective")) < 0
+        || (d.split = field(of, "Op", "split")) < 0 || (d.reads = field(of, "Op", "reads")) < 0
+        || (d.writes = field(of, "Op", "writes")) < 0 || (d.backend = field(pf, "Plan", "backend")) < 0
+        || (d.start = field(pf, "Plan", "start")) < 0 || (d.nbytes = field(pf, "Plan", "nbytes")) < 0
+        || (d.peer = field(pf, "Plan", "peer")) < 0 || (d.extra = field(pf, "Plan", "extra")) < 0)
         return nullptr;
     d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.reads, d.writes});
-    PyObject **slots[] = {&d.slow, &d.general, &d.planned, &d.blocked, &d.unstarted, &d.group_type, &d.done, &SUM,
-                          &d.profiler};
-    for (int i = 0; i < 9; i++) {
-        Py_INCREF(args[i]);
-        *slots[i] = args[i]; // (kept for the process's life, as the module is)
-    }
+    if ((d.memo_bytes = PyLong_AsSsize_t(memo.get())) < 0)
+        return PyErr_Occurred() ? nullptr : (PyErr_SetString(PyExc_ValueError, "setup: ops.SPAN_MEMO_BYTES < 0"), nullptr);
+    struct { PyObject **slot; const char *name; } kept[] = {
+        {&d.general, "general"}, {&d.plan, "plan"}, {&d.blocked, "blocked"}, {&d.unstarted, "could_not_start"},
+        {&d.done, "DONE"}, {&d.profiler, "_torch_profiler"}};
+    for (auto &entry : kept) // (each kept for the process's life, as the module is)
+        if ((*entry.slot = named(ops, entry.name)) == nullptr)
+            return nullptr;
+    if ((SUM = PyObject_GetAttrString(reduce_op.get(), "SUM")) == nullptr)
+        return nullptr;
+    d.group_type = group_type.release();
+    d.plan_type = plan_type.release();
     if ((d.empty = PyTuple_New(0)) == nullptr || (d.zero = PyLong_FromLong(0)) == nullptr)
         return nullptr;
     D = d;
     struct { PyObject **s; const char *text; } names[] = {
         {&s_enabled, "_is_profiler_enabled"}, {&s_order_before, "order_before"}, {&s_run, "run"}, {&s_retire, "_retire"},
-        {&s_peer, "peer"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"}, {&s_wait, "wait"},
-        {&s_burst, "_burst"}, {&s_first_polls, "FIRST_POLLS"}};
+        {&s_peer, "peer"}, {&s_traced, "traced"}, {&s_begin, "begin"}, {&s_runtime, "_runtime"}, {&s_run_op, "run_op"},
+        {&s_wait, "wait"}, {&s_burst, "_burst"}, {&s_first_polls, "FIRST_POLLS"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;
-    auto *runtime = reinterpret_cast<PyTypeObject *>(args[10]), *engine = reinterpret_cast<PyTypeObject *>(args[11]),
-         *group = reinterpret_cast<PyTypeObject *>(args[5]);
+    auto *runtime = reinterpret_cast<PyTypeObject *>(runtime_type.get()),
+         *engine = reinterpret_cast<PyTypeObject *>(engine_type.get()), *group = reinterpret_cast<PyTypeObject *>(D.group_type);
     struct { Attr &a; PyTypeObject *type; const char *name; } attrs[] = {
         {a_debug, runtime, "debug"}, {a_engine, runtime, "engine"}, {a_observer, runtime, "observer"},
         {a_world, runtime, "world"}, {a_outstanding, engine, "outstanding"}, {a_lost, engine, "lost"},
-        {a_lock, engine, "_lock"}, {a_domains, engine, "_domains"}, {a_starters, group, "starters"},
+        {a_lock, engine, "_lock"}, {a_domains, engine, "_domains"}, {a_plans, group, "plans"},
         {a_timeout, group, "timeout"}, {a_rank, group, "rank"}, {a_size, group, "size"}, {a_ranks, group, "ranks"}};
     for (auto &entry : attrs)
         if (!attr(entry.a, entry.type, entry.name))

@@ -1,19 +1,22 @@
-// What the compiled driver reads: the Python objects setup() hands it (Driver),
+// What the compiled driver reads: what setup() reads of mcrdl.ops by name (Driver),
 // the compiled starters it starts without Python (adopt_starter(): any backend's
 // starter type and its "<module>.start" capsule), slot reads at their offsets
-// (Attr), a list's view and split sizes as counts (ops.span, ops._counts).
-// Mirrors: ops.py's helpers of the same names. Covered by: tests/test_collectives.py,
-// tests/test_regressions.py (both drivers), tests/test_facts.py::test_span*.
+// (Attr), a list's view (remembered per group) and split sizes as counts.
+// Mirrors: nothing in Python (the pure-Python build takes ops.general).
+// Covered by: tests/test_collectives.py, tests/test_regressions.py,
+// tests/test_facts.py::test_span*.
 
-// What drive() reads, set once by setup().
+// What drive() reads, set once by setup() from mcrdl.ops, each by its name.
 struct Driver {
-    PyObject *slow = nullptr;     // ops.run: calls without a plan
-    PyObject *general = nullptr;  // ops.general: calls that never have one
-    PyObject *planned = nullptr;  // ops.planned: calls with a plan that drive() does not run
-    PyObject *blocked = nullptr;  // ops.blocked(rt, g, op, backend, pending, tensors): a start that did not finish
+    PyObject *plan = nullptr;      // ops.plan: makes and keeps a call's Plan (None: the general path)
+    PyObject *general = nullptr;   // ops.general: every call that does not run from a plan
+    PyObject *blocked = nullptr;   // ops.blocked(rt, g, op, backend, pending, reads, writes, post)
     PyObject *unstarted = nullptr; // ops.could_not_start(op, backend, exc): the error of an async start that raised
-    PyObject *group_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr, *zero = nullptr;
+    PyObject *group_type = nullptr, *plan_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr,
+             *zero = nullptr;
+    Py_ssize_t memo_bytes = 0; // ops.SPAN_MEMO_BYTES
     Py_ssize_t name, recipe, at, listed, at_root, collective, split, reads, writes, last; // Op's fields
+    Py_ssize_t backend, start, nbytes, peer, extra;                                      // Plan's fields
 } D;
 
 // Compiled starters drive() starts without Python: each backend's starter type
@@ -26,7 +29,7 @@ struct { PyTypeObject *type; start_fn start; } starters[MAX_STARTERS];
 int n_starters = 0;
 
 PyObject *s_runtime, *s_run_op, *s_wait, *s_burst, *s_first_polls; // (TorchMethod's)
-PyObject *s_enabled, *s_order_before, *s_run, *s_retire, *s_peer;
+PyObject *s_enabled, *s_order_before, *s_run, *s_retire, *s_peer, *s_traced, *s_begin;
 
 // A borrowed-like read: a new reference to obj.name (nullptr with an error).
 inline PyObject *get(PyObject *obj, PyObject *name) { return PyObject_GetAttr(obj, name); }
@@ -50,7 +53,7 @@ struct Attr {
 
 Attr a_debug, a_engine, a_observer, a_world;          // Runtime's
 Attr a_outstanding, a_lost, a_lock, a_domains;        // Engine's
-Attr a_starters, a_timeout, a_rank, a_size, a_ranks;  // Group's
+Attr a_plans, a_timeout, a_rank, a_size, a_ranks;     // Group's
 Attr a_g, a_coalescing;                               // ProcessGroupMCRDL's (TorchMethod's)
 Attr a_work, a_result, a_op;                          // MCRDLTorchWork's (TorchMethod's)
 
@@ -103,9 +106,15 @@ bool attr(Attr &a, PyTypeObject *type, const char *name)
     return true;
 }
 
-// The list form's view of its blocks (ops.span): the one the group remembers,
-// else a new view (not remembered: ops.span remembers small lists' views when
-// it runs); nullptr without an error when the blocks do not lie back to back.
+// The list form's view of its blocks: one flat tensor over ``parts`` if they
+// are the group's size of blocks of ``kind`` (nbytes, dtype) lying back to back
+// in memory (as ``x.chunk(n)`` makes them) and sharing no byte with ``single``;
+// nullptr without an error when they are not (the general path copies). A group
+// remembers the view of its last small list per op (up to ops.SPAN_MEMO_BYTES),
+// under the op's name in its plans: a list at the same address next time reuses
+// it while the view is still there (its storage keeps that memory allocated
+// unless it was resized or freed in place, as FSDP frees parameters: then the
+// view has moved and is not reused).
 PyObject *list_view(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind, PyObject *single)
 {
     THPObjectPtr size(get(g, a_size));
@@ -116,10 +125,14 @@ PyObject *list_view(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind
     if (PyErr_Occurred()
         || !span_at(parts, count, reinterpret_cast<THPDtype *>(PyTuple_GET_ITEM(kind, 1))->scalar_type, step, single, &at))
         return nullptr;
-    THPObjectPtr starters(get(g, a_starters));
-    if (!starters)
+    THPObjectPtr plans(get(g, a_plans));
+    if (!plans)
         return nullptr;
-    PyObject *memo = PyDict_GetItemWithError(starters.get(), name); // (address, nbytes, dtype, view)
+    if (!PyDict_CheckExact(plans.get())) {
+        PyErr_SetString(PyExc_TypeError, "drive: a group's plans are not a dict");
+        return nullptr;
+    }
+    PyObject *memo = PyDict_GetItemWithError(plans.get(), name); // (address, nbytes, dtype, view)
     if (memo == nullptr && PyErr_Occurred())
         return nullptr;
     if (memo != nullptr && PyTuple_CheckExact(memo) && PyTuple_GET_SIZE(memo) == 4
@@ -130,11 +143,24 @@ PyObject *list_view(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind
         return Py_NewRef(PyTuple_GET_ITEM(memo, 3));
     PyErr_Clear(); // (a memo int past size_t: not this list's)
     const at::Tensor &first = THPVariable_Unpack(PySequence_Fast_ITEMS(parts)[0]);
+    THPObjectPtr whole;
     try { // a view of the first block's storage, which must hold them all
-        return THPVariable_Wrap(first.as_strided({count * first.numel()}, {1}));
+        whole = THPObjectPtr(THPVariable_Wrap(first.as_strided({count * first.numel()}, {1})));
     } catch (const c10::Error &) {
         return nullptr;
     }
+    if (whole && step * count <= D.memo_bytes) {
+        THPObjectPtr address(PyLong_FromSize_t(at));
+        THPObjectPtr entry(address ? PyTuple_Pack(4, address.get(), PyTuple_GET_ITEM(kind, 0), PyTuple_GET_ITEM(kind, 1),
+                                                  whole.get()) : nullptr);
+        if (!entry)
+            return nullptr;
+        if (PyDict_GET_SIZE(plans.get()) >= 4096) // (as ops.plan bounds them)
+            PyDict_Clear(plans.get());
+        if (PyDict_SetItem(plans.get(), name, entry.get()) < 0)
+            return nullptr;
+    }
+    return whole.release();
 }
 
 // Elements per peer from split sizes (ops._counts): a list of ``size``
@@ -215,6 +241,21 @@ PyObject *start_plan(PyObject *start, PyObject *const *argv, Py_ssize_t argc)
     return starters[i].start(start, addr, argv, argc);
 }
 
+// Request types whose works finished() completes without Python, each with the
+// progress domain its backend names (Pending.progress_domain): registered by
+// adopt_starter() with the starter that makes them.
+struct { PyTypeObject *type; PyObject *domain; } requests[MAX_STARTERS];
+int n_requests = 0;
+
+// The progress domain of requests of ``type``, if adopted (borrowed), else nullptr.
+PyObject *domain_of(PyTypeObject *type)
+{
+    for (int i = 0; i < n_requests; i++)
+        if (requests[i].type == type)
+            return requests[i].domain;
+    return nullptr;
+}
+
 // Register ``type``'s start (a capsule named "<module>.start"); false with an error.
 bool add_starter(PyObject *type, PyObject *capsule)
 {
@@ -241,10 +282,32 @@ bool add_starter(PyObject *type, PyObject *capsule)
     return true;
 }
 
-// adopt_starter(type, capsule): a backend's compiled starter, which drive() starts directly.
+// adopt_starter(type, capsule[, request_type, domain]): a backend's compiled
+// starter, which drive() starts directly, and the type of the requests it
+// returns with their progress domain (a str), whose works finished() completes.
 PyObject *adopt_starter(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs("adopt_starter", n, 2) || !add_starter(args[0], args[1]))
+    if (n != 2 && n != 4) {
+        PyErr_Format(PyExc_TypeError, "adopt_starter takes 2 or 4 arguments (%zd given)", n);
         return nullptr;
+    }
+    if (!add_starter(args[0], args[1]))
+        return nullptr;
+    if (n == 2)
+        Py_RETURN_NONE;
+    if (!PyType_Check(args[2]) || !PyUnicode_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "adopt_starter: a request type and its progress domain (a str)");
+        return nullptr;
+    }
+    auto *type = reinterpret_cast<PyTypeObject *>(args[2]);
+    if (domain_of(type) != nullptr)
+        Py_RETURN_NONE;
+    if (n_requests == MAX_STARTERS) {
+        PyErr_SetString(PyExc_RuntimeError, "adopt_starter: too many request types");
+        return nullptr;
+    }
+    Py_INCREF(args[2]); // (kept for the process's life, as the module is)
+    Py_INCREF(args[3]);
+    requests[n_requests++] = {type, args[3]};
     Py_RETURN_NONE;
 }

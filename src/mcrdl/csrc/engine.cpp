@@ -1,8 +1,8 @@
 // The engine's compiled parts: RLock (work.py's engine lock, taken without the GIL
 // while it waits and without a call by track() and finished()), track() (Engine.run
 // for an op started from its plan: its Work made and made outstanding), clear_of()
-// (Engine.order_before's common case), finished() (Work.wait()'s common case on MPI),
-// adopt() (what those read of work.py and of MPI's compiled starter).
+// (Engine.order_before's common case), finished() (Work.wait()'s common case on a
+// request type adopt_starter() adopted), adopt_work() (what those read of work.py).
 // Mirrors: work.py (Engine.run, Engine.order_before, Work.wait, Work._finish).
 // Covered by: tests/test_facts.py (the lock), tests/test_order_checks.py,
 // tests/test_hazards.py, tests/test_collectives.py (async forms on both builds).
@@ -220,10 +220,10 @@ PyTypeObject RLockType = [] {
 }();
 
 // What track() and finished() read: Work's slots (their offsets, from its
-// member descriptors), the MPI Request type and work.RECEIVES; set by adopt().
+// member descriptors) and work.RECEIVES; set by adopt_work().
 struct WorkSlots {
-    PyTypeObject *type = nullptr, *request = nullptr;
-    PyObject *receives = nullptr, *domain = nullptr, *empty = nullptr;
+    PyTypeObject *type = nullptr;
+    PyObject *receives = nullptr, *empty = nullptr;
     PyObject *s_domains = nullptr, *s_test = nullptr, *s_domain = nullptr;
     Py_ssize_t op, engine, pending, post, done, error, future, stream, backend, group, peer, reads, writes, deadline,
         result, settled, spans;
@@ -275,7 +275,7 @@ int conflict(PyObject *mine, PyObject *theirs)
 // Work adopted, as in a process without MPI).
 PyObject *clear_of(PyObject *engine, PyObject *reads, PyObject *writes)
 {
-    if (W.type == nullptr) // (Work not adopted: no MPI in this process)
+    if (W.type == nullptr) // (Work not adopted)
         Py_RETURN_NONE;
     PyObject *mine_args[2] = {reads, writes};
     THPObjectPtr mine(ranges(nullptr, mine_args, 2));
@@ -394,8 +394,8 @@ PyObject *track(PyObject *engine, PyObject *g, PyObject *name, PyObject *backend
 }
 
 // finished(work, burst, turns): Work.wait()'s common case compiled: an
-// untimed wait for a work whose request is an MPI Request, MPI the only
-// library ever outstanding, no future, no completion steps, and the engine's
+// untimed wait for a work whose request is of a type adopt_starter() adopted,
+// its library the only one ever outstanding (the engine's progress domains), no future, no completion steps, and the engine's
 // lock an RLock of this module. It makes up to
 // ``turns`` turns of ``burst`` tests under the engine's lock, as the Python
 // wait's first polls do (Engine._test_one); complete, it takes the work out of
@@ -408,7 +408,8 @@ int finish(PyObject *work, long burst, long turns)
     if (W.type == nullptr || !PyObject_TypeCheck(work, W.type))
         return 0;
     PyObject *pending = slot(work, W.pending), *post = slot(work, W.post), *engine = slot(work, W.engine);
-    if (pending == nullptr || Py_TYPE(pending) != W.request || engine == nullptr || post == nullptr
+    PyObject *domain = pending == nullptr ? nullptr : domain_of(Py_TYPE(pending));
+    if (domain == nullptr || engine == nullptr || post == nullptr
         || !((PyTuple_CheckExact(post) && PyTuple_GET_SIZE(post) == 0)
              || (PyList_CheckExact(post) && PyList_GET_SIZE(post) == 0)))
         return 0;
@@ -417,9 +418,9 @@ int finish(PyObject *work, long burst, long turns)
         return -1;
     if (!PyFrozenSet_CheckExact(domains.get()) || PySet_GET_SIZE(domains.get()) != 1)
         return 0;
-    int mpi_only = PySet_Contains(domains.get(), W.domain);
-    if (mpi_only <= 0)
-        return mpi_only;
+    int alone = PySet_Contains(domains.get(), domain);
+    if (alone <= 0)
+        return alone;
     THPObjectPtr lock(get(engine, a_lock));
     if (!lock)
         return -1;
@@ -461,7 +462,7 @@ int finish(PyObject *work, long burst, long turns)
                     }
                     break;
                 }
-        put(work, W.stream, Py_None); // (an MPI Request's results are in place: no stream)
+        put(work, W.stream, Py_None); // (a CPU request's results are in place: no stream)
         put(work, W.error, Py_None);
         put(work, W.done, Py_True);
         if (!receive) // (a receive's request still names its sender)
@@ -483,21 +484,37 @@ PyObject *finished(PyObject *, PyObject *const *args, Py_ssize_t n)
     return done < 0 ? nullptr : Py_NewRef(done ? Py_True : Py_False);
 }
 
-// adopt(Starter, start capsule, Request, Work, RECEIVES): the compiled MPI
-// starters drive() calls directly, and what finished() needs to complete
-// their requests' works.
-PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
+// The Work slots track() sets, each as Work.__init__ does: adopt_work() refuses a
+// Work with a slot not named here (a slot added in Python must be set here too).
+const char *const WORK_SLOTS[] = {"op", "backend", "group", "peer", "_engine", "_pending", "_post", "_reads",
+                                  "_writes", "_deadline", "_done", "_error", "_result", "_future", "_settled",
+                                  "_spans", "_stream"};
+
+// adopt_work(Work, RECEIVES): what track() and finished() need of work.py.
+PyObject *adopt_work(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
-    if (!nargs("adopt", n, 5))
+    if (!nargs("adopt_work", n, 2))
         return nullptr;
-    if (PyCapsule_GetPointer(args[1], "mcrdl_mpi_native.start") == nullptr)
-        return nullptr;
-    if (!PyType_Check(args[0]) || !PyType_Check(args[2]) || !PyType_Check(args[3]) || !PyFrozenSet_Check(args[4])) {
-        PyErr_SetString(PyExc_TypeError, "adopt: the Starter type, its start capsule, the Request and Work types "
-                                         "and a frozenset of receives");
+    if (!PyType_Check(args[0]) || !PyFrozenSet_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "adopt_work: the Work type and a frozenset of receives");
         return nullptr;
     }
-    auto *work = reinterpret_cast<PyTypeObject *>(args[3]);
+    auto *work = reinterpret_cast<PyTypeObject *>(args[0]);
+    THPObjectPtr declared(PyObject_GetAttrString(args[0], "__slots__"));
+    if (!declared || !PyTuple_Check(declared.get())) {
+        PyErr_SetString(PyExc_TypeError, "adopt_work: Work.__slots__ is not a tuple");
+        return nullptr;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(declared.get()); i++) {
+        bool known = false;
+        for (const char *name : WORK_SLOTS)
+            known = known || PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(declared.get(), i), name) == 0;
+        if (!known) {
+            PyErr_Format(PyExc_RuntimeError, "adopt_work: Work slot %R is not one track() sets (csrc/engine.cpp "
+                         "WORK_SLOTS): set it there as Work.__init__ does", PyTuple_GET_ITEM(declared.get(), i));
+            return nullptr;
+        }
+    }
     WorkSlots w;
     if ((w.op = offset_of(work, "op")) < 0 || (w.engine = offset_of(work, "_engine")) < 0
         || (w.pending = offset_of(work, "_pending")) < 0 || (w.post = offset_of(work, "_post")) < 0
@@ -510,21 +527,16 @@ PyObject *adopt(PyObject *, PyObject *const *args, Py_ssize_t n)
         || (w.spans = offset_of(work, "_spans")) < 0)
         return nullptr;
     struct { PyObject **s; const char *text; } names[] = {
-        {&w.s_domains, "_domains"},
-        {&w.s_test, "test"}, {&w.domain, "mpi"}, {&w.s_domain, "progress_domain"}};
+        {&w.s_domains, "_domains"}, {&w.s_test, "test"}, {&w.s_domain, "progress_domain"}};
     for (auto &entry : names)
         if (*entry.s == nullptr && (*entry.s = PyUnicode_InternFromString(entry.text)) == nullptr)
             return nullptr;
     if ((w.empty = W.empty != nullptr ? W.empty : PyTuple_New(0)) == nullptr)
         return nullptr;
-    // (each kept for the process's life, as the module is)
-    if (!add_starter(args[0], args[1]))
-        return nullptr;
-    for (int i : {2, 3, 4})
-        Py_INCREF(args[i]);
-    w.request = reinterpret_cast<PyTypeObject *>(args[2]);
+    Py_INCREF(args[0]); // (each kept for the process's life, as the module is)
+    Py_INCREF(args[1]);
     w.type = work;
-    w.receives = args[4];
+    w.receives = args[1];
     W = w;
     Py_RETURN_NONE;
 }

@@ -44,7 +44,7 @@ PyMethodDef methods[] = {
     {"drive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(drive)), METH_FASTCALL, nullptr},
     {"setup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(setup)), METH_FASTCALL, nullptr},
     {"finished", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(finished)), METH_FASTCALL, nullptr},
-    {"adopt", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(adopt)), METH_FASTCALL, nullptr},
+    {"adopt_work", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(adopt_work)), METH_FASTCALL, nullptr},
     {"adopt_starter", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(adopt_starter)), METH_FASTCALL,
      nullptr},
     {"pair", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pair)), METH_FASTCALL, nullptr},

@@ -318,7 +318,7 @@ PyObject *torch_method_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "TorchMethod: a function, a type and its base's __init__");
         return nullptr;
     }
-    if (D.slow == nullptr) {
+    if (D.general == nullptr) {
         PyErr_SetString(PyExc_RuntimeError, "TorchMethod: setup() has not run");
         return nullptr;
     }
