@@ -29,9 +29,9 @@ run $BIN/python benchmarks/percall/binding.py --repeats 3 --json $OUT/binding.js
 
 # tuning: the offline sweep, the table it picks, autotune in the job
 run $BIN/mcrdl tune -n 2 --out $OUT/tuning-2ranks.json --results $OUT/tune-sweep-2ranks.json \
-    --plot $OUT/tune-plots | tee $LOG/tune-2ranks.txt
+    --plot $OUT/tune-2ranks.png | tee $LOG/tune-2ranks.txt
 run $BIN/mcrdl bench -n 2 --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \
-    --json $OUT/bench-2ranks.json --plot $OUT/bench-plots | tee $LOG/bench-2ranks.txt
+    --json $OUT/bench-2ranks.json --plot $OUT/bench-2ranks.png | tee $LOG/bench-2ranks.txt
 run $BIN/mcrdl bench -n 2 --bind core --table $OUT/tuning-2ranks.json --check --step 2 --rounds 9 \
     --json $OUT/bench-2ranks-pinned.json | tee $LOG/bench-2ranks-pinned.txt
 run $BIN/python benchmarks/tuning/autotune.py --rounds 5 --steps 10 | tee $LOG/autotune.txt

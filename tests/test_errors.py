@@ -10,6 +10,7 @@ where each refused call is made on one rank only and a valid collective on
 every live backend follows it on both ranks.
 """
 import contextlib
+import json
 
 import numpy as np
 import pytest
@@ -555,3 +556,19 @@ def test_env_static_map_applies_unless_a_map_is_given(uninitialized, monkeypatch
     monkeypatch.setenv("MCRDL_OP_BACKENDS", "all_reduce")
     with refused(ValueError, "MCRDL_OP_BACKENDS"):
         mcrdl.init_process_group(timeout=30)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_both_builds_raise_the_same_errors(nprocs, tmp_path):
+    """Every op x style with bad input, right after a valid call like it: the compiled
+    build (its plan exists) and the pure-Python one (MCRDL_NATIVE=0, the general path)
+    raise the same exception with the same message, on every rank."""
+    for build, env in (("compiled", {}), ("python", {"MCRDL_NATIVE": "0"})):
+        (tmp_path / build).mkdir()
+        out = run_job(nprocs, "error_parity_job.py", tmp_path / build, timeout=180, env=env)
+        out.require(["every bad call raised", "error parity finished"], range(nprocs))
+    for r in range(nprocs):
+        compiled, python = (json.loads((tmp_path / b / f"rank{r}.json").read_text()) for b in ("compiled", "python"))
+        assert len(compiled) == len(python) == 32
+        for c, p in zip(compiled, python):
+            assert c == p, (r, c, p)

@@ -64,6 +64,14 @@ def test_no_code_outside_backends_names_a_library():
                                    if seen.get(k, 0) != allowed.get(k, 0)}
 
 
+def test_the_compiled_driver_names_no_library():
+    """csrc/ (the compiled driver, engine and torch method) takes any backend's
+    starter and request type by registration (adopt_starter), never by name."""
+    quoted = re.compile(r'"(%s)[".]' % "|".join(sorted(NAMES, key=len, reverse=True)))
+    named = {p.name: quoted.findall(p.read_text()) for p in (SRC / "csrc").glob("*.cpp")}
+    assert named and not any(named.values()), named
+
+
 def test_the_scan_sees_names_in_literals_and_fstrings(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text('a = "mpi"\nb = f"{\'shm\' if x else y}"\n"""a docstring naming "gloo" in passing"""\n')

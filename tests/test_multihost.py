@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import JOBS, run_job
+from conftest import JOBS, JobOutput, read_verdicts, run_job
 from multihost import netns
 
 REASON = netns.unavailable_reason()
@@ -65,6 +65,18 @@ def _job(cluster, program, timeout=240, **kw):
     return result
 
 
+def _checked_job(cluster, program, tmp_path, timeout=240):
+    """``program`` (a tests/jobs/ job) over the hosts, with its ranks' verdicts
+    (tests/jobs/verdicts.py: the hosts share this filesystem): its JobResult and
+    its JobOutput, whose ``require`` names a failed check, rank and line."""
+    directory = tmp_path / "verdicts"
+    directory.mkdir()
+    result = cluster.run(program, timeout=timeout, env={"TEST_VERDICTS": str(directory)})
+    out = JobOutput(result.output)
+    out.verdicts, out.rc = read_verdicts(directory), result.returncode
+    return result, out
+
+
 def _moved(result, at_least):
     """Every host's interface sent and received at least ``at_least`` bytes."""
     for host, t in result.traffic.items():
@@ -80,8 +92,9 @@ def test_jobs_across_namespace_hosts(n, tmp_path):
         assert f"rank 0 on {cluster.hosts[0]}: store port" in r.output, r.output[-3000:]
         assert r.output.count("OK store") == n
         # the correctness suite's core job: every op x dtype x size x sync/async, both backends
-        r = _job(cluster, [str(JOBS / "ops_job.py"), "mpi", "gloo"])
-        assert r.output.count(": OK ") == n and "on ['mpi', 'gloo']" in r.output, r.output[-3000:]
+        r, out = _checked_job(cluster, [str(JOBS / "ops_job.py"), "mpi", "gloo"], tmp_path)
+        out.require(["ops finished"], range(n))
+        assert r.returncode == 0 and "on ['mpi', 'gloo']" in r.output, r.output[-3000:]
         _moved(r, 1_000_000)  # the checks' data went over the veths (~3 MB per host and backend for 2)
         # a tiny bench sweep with result checks, every variant
         out = tmp_path / "bench.json"

@@ -8,7 +8,7 @@ The model is calibrated from bench sweeps, or from the job's own calls
 (issue 16, item 6), never from the steps it is compared with. Unless ``--bench`` names recorded ones, a cold sweep (``mcrdl bench
 --cold``: compute, then the call, timed as the logger times it; docs/bench.md)
 of all_reduce, all_to_all and all_to_allv on MPI is recorded right before each
-run, to docs/results/model_validation/model_cold-sweep-2ranks-K.json. Each run logs
+run, to out/record/model_validation/model_cold-sweep-2ranks-K.json. Each run logs
 ``--steps`` steps after ``--warmup`` unlogged ones and ``--calibrate``
 logged apart (examples/model/log_workload.py). Every run is compared with
 ``mcrdl model --compare-log`` under these calibrations: its own sweep (taken
@@ -21,7 +21,7 @@ steps ("previous run"). Backends come from
 docs/results/tuning-2ranks.json. During each sweep and logged run it also
 measures the CPU time other processes took (all busy CPU time minus the
 run's own): runs with others above 5 % of the CPUs are reported apart.
-Writes docs/results/model_validation/model_validation.txt (every comparison table) and
+Writes out/record/model_validation/model_validation.txt (every comparison table) and
 docs/results/model_validation.json
 (per op, run and calibration: the prediction, the logged and
 arrival-corrected time, the diffs, others' CPU share; per-workload totals).
@@ -41,7 +41,8 @@ BIN = os.path.join(ROOT, ".venv", "bin")
 RES = os.path.join(ROOT, "docs", "results")
 TABLE = "docs/results/tuning-2ranks.json"
 WARM = "docs/results/tune-sweep-2ranks.json"
-COLD = "docs/results/model_validation/model_cold-sweep-2ranks-{}.json"  # with the .txt: raw data
+RAW = os.path.join(ROOT, "out", "record", "model_validation")  # the raw data: cold sweeps, every table
+COLD = "out/record/model_validation/model_cold-sweep-2ranks-{}.json"
 SWEEP = ["bench", "-n", "2", "--cold", "--ops", "all_reduce,all_to_all,all_to_allv", "--variants", "mpi",
          "--max-bytes", "1M", "--json"]
 CALIBRATIONS = {"own sweep": "the run's own cold sweep",
@@ -86,7 +87,7 @@ def main() -> int:
            + "".join(f" --bench {b}" for b in a.bench or ()))
     sweeps, sweep_others = list(a.bench or []), []
     logs = []
-    os.makedirs(os.path.join(RES, "model_validation"), exist_ok=True)
+    os.makedirs(RAW, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
         for i in range(1, a.runs + 1):  # record: a sweep, then the logged runs
             if not a.bench:
@@ -151,7 +152,7 @@ def main() -> int:
             runs.append({"others_cpu": mine[0]["runs"][j]["others_cpu"], "comm_s": comm, "pred_s": pred,
                          "diff_pct": {c: (pred[c] - comm) / comm * 100 for c in calibrations}})
         totals[w] = {"runs": runs}
-    with open(os.path.join(RES, "model_validation", "model_validation.txt"), "w") as f:
+    with open(os.path.join(RAW, "model_validation.txt"), "w") as f:
         f.write("\n".join(text) + "\n")
     with open(os.path.join(RES, "model_validation.json"), "w") as f:
         json.dump({"command": cmd, "calibrations": {c: CALIBRATIONS.get(c) or " ".join(f(1, "W"))

@@ -1,11 +1,11 @@
 """Side by side: the tune sweeps recorded by multihost_record.sh (1 host, 2
 namespace hosts, 2 namespace hosts at 1 Gbit/s): each backend's time per op and
 size, the backend each setting's tuning table picks, and how many (op, size)
-cells change backend between settings. Reads docs/results/multihost/multihost-*.json."""
+cells change backend between settings. Reads out/record/multihost/multihost-*.json (multihost_record.sh)."""
 import json
 from pathlib import Path
 
-RES = Path(__file__).resolve().parents[2] / "docs" / "results" / "multihost"  # the recorded sweeps
+RES = Path(__file__).resolve().parents[2] / "out" / "record" / "multihost"  # the recorded sweeps
 SETTINGS = ("1host", "2hosts", "2hosts-1gbit")
 
 

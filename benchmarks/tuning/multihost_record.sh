@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Record the multi-host figures in docs/results/multihost/: the same tune + bench
+# Record the multi-host figures in out/record/multihost/ (docs/results/multihost.md cites them): the same tune + bench
 # sweep on 2 ranks on one host, on 2 namespace hosts (veth + bridge, TCP), and on
 # 2 namespace hosts limited to 1 Gbit/s each (tc tbf). Needs root (network
 # namespaces, tests/multihost/netns.py). Run from anywhere: bash benchmarks/tuning/multihost_record.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=.venv/bin
-OUT=docs/results/multihost
+OUT=out/record/multihost
+mkdir -p "$OUT"
 SIZES=4,256,4K,64K,1M,4M
 BENCH_OPS=all_reduce,broadcast,all_gather,all_to_all,p2p
 ROUNDS=9   # more than the default 5: the 2-core machine is shared and noisy

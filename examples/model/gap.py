@@ -6,7 +6,7 @@ Each call: an MPI barrier, one matmul 256x512 @ 512x512 (as ``mcrdl bench
 --cold``), then a busy wait until 2 ms + GAP after the barrier (no memory
 traffic, no communication), then one timed blocking 128 KiB all_reduce through
 mcrdl. Per GAP and round: the slowest rank's median call (µs); rounds repeat
-the GAPs in order. Output recorded in docs/results/model_validation/model_gap.txt.
+the GAPs in order. Last output recorded: `git show 3dfebc3:docs/results/model_validation/model_gap.txt`.
 """
 import argparse
 import statistics

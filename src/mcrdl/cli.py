@@ -244,7 +244,7 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--warmup", type=_count(0), default=3)
         c.add_argument("--rounds", type=_count(1), help="interleaved rounds (median taken)")
         c.add_argument("--quick", action="store_true", help="few sizes and iterations (demo, tests)")
-        c.add_argument("--plot", metavar="DIR", help="write one PNG per op into DIR")
+        c.add_argument("--plot", metavar="PNG", help="write one PNG with a panel per op")
         c.add_argument("--timeout", type=float, default=300, help="per-op timeout (s)")
         c.add_argument("--device", choices=DEVICES, help="device type of the tensors measured "
                                                          "(default: cuda where torch sees a GPU, else cpu)")

@@ -3,7 +3,7 @@
 
 ::
 
-    python tests/torch_suite/compare.py docs/results/torch_suite/*.json --out docs/results/torch_suite.md
+    python tests/torch_suite/compare.py out/record/torch_suite/*.json --out docs/results/torch_suite.md
 
 Each mcrdl result is compared with the gloo result of the same world size. The
 report gives the counts per (backend, route, world size), the commands that made

@@ -690,7 +690,7 @@ def run(*, variants: Optional[Sequence[str]] = None, device: Optional[str] = Non
                 write_csv(csv_path, results)
             if plot:
                 from .plots import plot_ops
-                print("plots:", ", ".join(plot_ops(results, plot, title=f"({world} ranks)")))
+                print("plot:", plot_ops(results, plot, title=f"mcrdl bench ({world} ranks)"))
             if failed:
                 print(f"CHECK FAILED: {len(failed)} results: " + ", ".join(
                     f"{r.op} {r.bytes} B on {r.variant}" for r in failed[:10]))

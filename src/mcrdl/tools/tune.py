@@ -267,8 +267,7 @@ def run(out: str, *, device: Optional[str] = None, backends: Optional[Sequence[s
                 bench.write_json(results, measured, meta)
             if plot:
                 from .plots import plot_ops
-                print("plots:", ", ".join(plot_ops(measured, plot, table, f"({world} ranks, {device}, tuned)",
-                                                   device)))
+                print("plot:", plot_ops(measured, plot, table, f"mcrdl tune ({world} ranks, {device})", device))
         return table
     finally:
         api.destroy_process_group()
