@@ -27,12 +27,13 @@ def test_review_regression_alone(case):
 
 
 @pytest.mark.parametrize("driver", ["compiled", "python"])
-def test_an_async_start_that_raises_fails_naming_op_backend_and_cause(driver):
-    """From its plan, on the compiled driver (started in C) and the pure-Python one."""
+def test_a_start_that_raises_fails_naming_op_backend_and_cause(driver):
+    """Async and blocking, from its plan on the compiled driver (started in C) and
+    on the general path of the pure-Python build: the same CommError."""
     env = {"MCRDL_NATIVE": "0"} if driver == "python" else {}
     out = run_job(2, "regressions_job.py", "start_error", timeout=120, env=env)
     out.require(["the error names op, backend and cause", "nothing outstanding after a refused start",
-                 "the next call runs"], range(2))
+                 "a blocking start's error names op, backend and cause", "the next call runs"], range(2))
 
 
 @pytest.mark.parametrize("driver", ["compiled", "python"])

@@ -295,7 +295,7 @@ def plan(rt: Runtime, g: Group, op: Op, key: tuple, tensors: tuple, fixed: tuple
 
 
 def could_not_start(op: Op, backend: str, exc: BaseException) -> CommError:
-    """The error of an async call whose start raised ``exc``."""
+    """The error of a call whose start raised ``exc``."""
     error = CommError(f"{op.name} on backend '{backend}' could not start: {exc}")
     error.__cause__ = exc
     return error

@@ -507,9 +507,9 @@ def every_op_from_its_plan_orders(backend, a, out, call):
 
 
 def start_error():
-    """An async call whose start raises, from its plan (the compiled driver starts
-    it in C): a CommError naming the op, the backend and the cause, nothing left
-    outstanding, and the next call runs."""
+    """An async or blocking call whose start raises, from its plan (the compiled
+    driver starts it in C): a CommError naming the op, the backend and the cause
+    (as the general path raises), nothing left outstanding, and the next call runs."""
     t = torch.ones(4)
     mcrdl.all_reduce(t, backend="refusing", async_op=True).wait()  # (builds the plan)
     for _ in range(2):
@@ -523,6 +523,19 @@ def start_error():
             verdicts.check("the error names op, backend and cause", False, "CommError", "no error")
         outstanding = mcrdl.api.current_runtime().engine.outstanding
         verdicts.check("nothing outstanding after a refused start", not outstanding, [], outstanding)
+    mcrdl.all_reduce(torch.ones(4), backend="refusing")  # (the blocking plan): refused from it, the same error
+    for _ in range(2):
+        try:
+            mcrdl.all_reduce(torch.full((4,), -1.0), backend="refusing")
+        except mcrdl.CommError as exc:
+            verdicts.check("a blocking start's error names op, backend and cause", "all_reduce on backend "
+                           "'refusing' could not start: refused by the test backend" in str(exc)
+                           and isinstance(exc.__cause__, RuntimeError), "CommError from RuntimeError",
+                           f"{exc!r} from {exc.__cause__!r}")
+        except Exception as exc:  # noqa: BLE001  (the library's own error, unwrapped)
+            verdicts.check("a blocking start's error names op, backend and cause", False, "CommError", repr(exc))
+        else:
+            verdicts.check("a blocking start's error names op, backend and cause", False, "CommError", "no error")
     mcrdl.all_reduce(t, backend="refusing", async_op=True).wait()
     verdicts.check("the next call runs", torch.equal(t, torch.full((4,), 2.0 * world)), 2.0 * world, t)
 

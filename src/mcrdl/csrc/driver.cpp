@@ -23,7 +23,7 @@ PyObject *raised()
 }
 
 // nullptr with the CommError naming the op and backend (ops.could_not_start)
-// in place of the error being raised: an async start that failed.
+// in place of the error being raised: a start that failed.
 PyObject *unstarted(PyObject *op, PyObject *backend)
 {
     THPObjectPtr value(raised());
@@ -294,8 +294,8 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         return start_async(engine.get(), g.get(), op, plan, reads.get(), writes.get(), argv, argc, listed_result.get(),
                            post.get());
     THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, D.start), argv, argc));
-    if (!pending)
-        return nullptr;
+    if (!pending) // (the CommError the general path raises, the library's error its cause)
+        return unstarted(op, chosen);
     if (pending.get() == D.done) // (finished inside the backend: the observer's end alone)
         return observed ? PyObject_CallNoArgs(end.get()) : Py_NewRef(Py_None);
     if (!reads) {

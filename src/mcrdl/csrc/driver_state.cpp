@@ -11,7 +11,7 @@ struct Driver {
     PyObject *plan = nullptr;      // ops.plan: makes and keeps a call's Plan (None: the general path)
     PyObject *general = nullptr;   // ops.general: every call that does not run from a plan
     PyObject *blocked = nullptr;   // ops.blocked(rt, g, op, backend, pending, reads, writes, post)
-    PyObject *unstarted = nullptr; // ops.could_not_start(op, backend, exc): the error of an async start that raised
+    PyObject *unstarted = nullptr; // ops.could_not_start(op, backend, exc): the error of a start that raised
     PyObject *group_type = nullptr, *plan_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr,
              *zero = nullptr;
     Py_ssize_t memo_bytes = 0; // ops.SPAN_MEMO_BYTES
