@@ -39,11 +39,13 @@ def test_a_broken_op_fails_naming_its_check_and_rank(launcher):
                for line in others), others
 
 
-def test_all_ops_on_the_pure_python_hot_path():
-    """The fallback when no MPI compiler is present gives the same results."""
-    out = run_job(2, "ops_job.py", "mpi", timeout=600, env={"MCRDL_NATIVE": "0"})
-    out.require(["ops finished"], range(2))
-    assert out.count("MPI hot path off (MCRDL_NATIVE=0)") == 2, out[-3000:]
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_all_ops_on_the_pure_python_build(nprocs):
+    """The build without the compiled module (no compiler, MCRDL_NATIVE=0: every call on
+    the general path, no plan kept) gives the same results, world and sub-groups."""
+    out = run_job(nprocs, "ops_job.py", "mpi", timeout=600, env={"MCRDL_NATIVE": "0"})
+    out.require(["ops finished"], range(nprocs))
+    assert out.count("MPI hot path off (MCRDL_NATIVE=0)") == nprocs, out[-3000:]
 
 
 @pytest.mark.parametrize("nprocs,env", [(2, {}), (4, {}), (2, {"MCRDL_NATIVE": "0"})])
