@@ -296,8 +296,10 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, D.start), argv, argc));
     if (!pending) // (the CommError the general path raises, the library's error its cause)
         return unstarted(op, chosen);
-    if (pending.get() == D.done) // (finished inside the backend: the observer's end alone)
-        return observed ? PyObject_CallNoArgs(end.get()) : Py_NewRef(Py_None);
+    if (pending.get() == D.done) { // (finished inside the backend: the observer's end alone)
+        THPObjectPtr ended(observed ? PyObject_CallNoArgs(end.get()) : Py_NewRef(Py_None));
+        return ended ? Py_NewRef(Py_None) : nullptr;
+    }
     if (!reads) {
         reads = THPObjectPtr(pick(call.get(), PyTuple_GET_ITEM(op, D.reads)));
         writes = THPObjectPtr(reads ? pick(call.get(), PyTuple_GET_ITEM(op, D.writes)) : nullptr);
