@@ -37,7 +37,7 @@ from .backends.base import ANY_SOURCE
 from .facts import KEY, P2P, PAIRED, PAIRED_REDUCED, REDUCED, ROOTED, ROOTED_REDUCED
 from .runtime import Group, Runtime
 from .types import CommError, ReduceOp, UnsupportedError
-from .work import DONE, AfterAll, Done, Engine, Work, _overlap, current_stream
+from .work import DONE, AfterAll, Done, Engine, Work, _overlap, current_stream  # (DONE, Engine: read by drive's setup)
 
 #: Dtypes the API accepts (per backend limits are checked by the selector).
 DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8,

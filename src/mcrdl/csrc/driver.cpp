@@ -111,20 +111,6 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
 // The call to ops.general: every call drive() does not run from a plan.
 inline PyObject *general(PyObject *const *args, Py_ssize_t n) { return PyObject_Vectorcall(D.general, args, n, nullptr); }
 
-// Bytes per peer from element counts (the logger's Alltoallv counts).
-PyObject *bytes_of(PyObject *counts, Py_ssize_t element)
-{
-    PyObject *out = PyList_New(PyList_GET_SIZE(counts));
-    for (Py_ssize_t i = 0; out != nullptr && i < PyList_GET_SIZE(counts); i++) {
-        PyObject *v = PyLong_FromLongLong(PyLong_AsLongLong(PyList_GET_ITEM(counts, i)) * element);
-        if (v == nullptr)
-            Py_CLEAR(out);
-        else
-            PyList_SET_ITEM(out, i, v);
-    }
-    return out;
-}
-
 // drive(rt, op, group, async_op, backend[, tensors[, fixed[, splits]]]): the
 // driver every API call goes through (api.run_op). A call on a group of this
 // runtime, with debug mode off and (a blocking call) nothing outstanding, whose
@@ -279,7 +265,7 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
             return nullptr;
     }
     if (observed) { // the observer's begin now, its end when the call completes
-        THPObjectPtr counts(in_counts ? bytes_of(in_counts.get(), usable(argv[1])->element_size()) : Py_NewRef(Py_None));
+        THPObjectPtr counts(in_counts ? scaled(in_counts.get(), usable(argv[1])->element_size()) : Py_NewRef(Py_None)); // (bytes per peer)
         if (!counts)
             return nullptr;
         PyObject *begin_args[10] = {observer.get(), name, chosen, g.get(), PyTuple_GET_ITEM(plan, D.nbytes), async_op,

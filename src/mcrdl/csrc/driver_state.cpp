@@ -163,7 +163,23 @@ PyObject *list_view(PyObject *g, PyObject *name, PyObject *parts, PyObject *kind
     return whole.release();
 }
 
-// Elements per peer from split sizes (ops._counts): a list of ``size``
+// A list of ints each times ``factor`` (the list itself for 1); nullptr with an error.
+PyObject *scaled(PyObject *ints, long long factor)
+{
+    if (factor == 1)
+        return Py_NewRef(ints);
+    PyObject *out = PyList_New(PyList_GET_SIZE(ints));
+    for (Py_ssize_t i = 0; out != nullptr && i < PyList_GET_SIZE(ints); i++) {
+        PyObject *v = PyLong_FromLongLong(PyLong_AsLongLong(PyList_GET_ITEM(ints, i)) * factor);
+        if (v == nullptr)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+// Elements per peer from split sizes: a list of ``size``
 // non-negative ints summing to ``rows``, times ``row``; nullptr without an
 // error when they are not.
 PyObject *counts_of(PyObject *splits, Py_ssize_t size, int64_t rows, long long row)
@@ -182,22 +198,10 @@ PyObject *counts_of(PyObject *splits, Py_ssize_t size, int64_t rows, long long r
     }
     if (total != rows)
         return nullptr;
-    if (row == 1) {
-        Py_INCREF(splits);
-        return splits;
-    }
-    PyObject *out = PyList_New(size);
-    for (Py_ssize_t i = 0; out != nullptr && i < size; i++) {
-        PyObject *v = PyLong_FromLongLong(PyLong_AsLongLong(PyList_GET_ITEM(splits, i)) * row);
-        if (v == nullptr)
-            Py_CLEAR(out);
-        else
-            PyList_SET_ITEM(out, i, v);
-    }
-    return out;
+    return scaled(splits, row);
 }
 
-// The tensors at ``at`` (a tuple of indices) that are not None (ops._pick):
+// The tensors at ``at`` (a tuple of indices) that are not None:
 // ``tensors`` itself when that is all of them, in order.
 PyObject *pick(PyObject *tensors, PyObject *at)
 {
