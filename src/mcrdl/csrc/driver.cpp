@@ -258,12 +258,14 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     bool observed = observer.get() != Py_None;
     PyObject *chosen = PyTuple_GET_ITEM(plan, D.backend);
     THPObjectPtr reads, writes, end, post;
-    if (observed || async_op == Py_True) {
+    // the tensors the call reads and writes (an unobserved blocking call needs them only when it waits)
+    auto touched = [&]() {
         reads = THPObjectPtr(pick(call.get(), PyTuple_GET_ITEM(op, D.reads)));
         writes = THPObjectPtr(reads ? pick(call.get(), PyTuple_GET_ITEM(op, D.writes)) : nullptr);
-        if (!writes)
-            return nullptr;
-    }
+        return static_cast<bool>(writes);
+    };
+    if ((observed || async_op == Py_True) && !touched())
+        return nullptr;
     if (observed) { // the observer's begin now, its end when the call completes
         THPObjectPtr counts(in_counts ? scaled(in_counts.get(), usable(argv[1])->element_size()) : Py_NewRef(Py_None)); // (bytes per peer)
         if (!counts)
@@ -286,12 +288,8 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
         THPObjectPtr ended(observed ? PyObject_CallNoArgs(end.get()) : Py_NewRef(Py_None));
         return ended ? Py_NewRef(Py_None) : nullptr;
     }
-    if (!reads) {
-        reads = THPObjectPtr(pick(call.get(), PyTuple_GET_ITEM(op, D.reads)));
-        writes = THPObjectPtr(reads ? pick(call.get(), PyTuple_GET_ITEM(op, D.writes)) : nullptr);
-        if (!writes)
-            return nullptr;
-    }
+    if (!reads && !touched())
+        return nullptr;
     PyObject *bargs[8] = {rt, g.get(), op, chosen, pending.get(), reads.get(), writes.get(), post.get()};
     return PyObject_Vectorcall(D.blocked, bargs, 8, nullptr);
 } catch (const std::exception &e) {
