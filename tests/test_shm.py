@@ -33,12 +33,13 @@ def test_what_shm_serves_runs_there_and_the_rest_falls_through(nprocs, launcher,
     prefers shm: float32/bf16/fp16 sums (and AVG) on the world run on it, all
     else on the next library; every result equals the local reference; a
     64 MB MPI message outstanding across it does not deadlock (hazard 1); an
-    MPI op after an async shm one waits for it (hazard 3); no segment is left.
+    MPI op after an async shm one waits for it (hazard 3); no segment is left;
+    the kernels' OpenMP threads stay within the rank's share of the cores.
     Compiled, drive() starts the blocking plans' starter (shm_native.cpp) itself;
     MCRDL_NATIVE=0, Python calls it."""
     out = run_job(nprocs, "shm_job.py", timeout=600, launcher=launcher, env={"MCRDL_NATIVE": native})
     out.require(["matrix finished", "views finished", "narrow finished", "mixed finished",
-                 "files finished"], range(nprocs))
+                 "files finished", "threads finished"], range(nprocs))
     assert not left_by(out)
 
 
@@ -91,6 +92,15 @@ def test_declares_exactly_what_the_library_does():
     assert "world group only" in backend.group_unsupported([0, 1], world=False)
     assert backend.group_unsupported([0, 1], world=True) is None
     assert shm.ShmBackend.devices == frozenset({"cpu"})
+
+
+def test_thread_share_is_the_rank_s_part_of_the_cpus_it_may_run_on():
+    two, four = frozenset({0, 1}), frozenset(range(4))
+    assert shm.thread_share(two, [two, two]) == 1                    # unbound, 2 ranks on 2 cpus
+    assert shm.thread_share(frozenset({0}), [{0}, {1}]) == 1         # bound, a core each
+    assert shm.thread_share(four, [four, four]) == 2
+    assert shm.thread_share(frozenset({0, 1}), [{0, 1}, {2, 3}]) == 2  # bound, 2 cores each
+    assert shm.thread_share(two, [two, two, two, two]) == 1          # oversubscribed: still one
 
 
 def test_not_live_without_deepspeed_or_with_one_rank(monkeypatch):
