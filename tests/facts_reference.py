@@ -72,16 +72,29 @@ def plan_key(recipe: int, at: int, tensors: tuple, fixed: tuple):
                 return None
             kind = key(tensors[at])
             return None if kind is None else (kind, fixed[0], fixed[1])
-        if recipe == PAIRED_REDUCED and fixed[-1] is not _SUM:
+        if recipe == PAIRED_REDUCED and not _plannable(fixed[-1]):
             return None
         both = pair(tensors[1], tensors[0])
-        return None if both is None or (recipe == PAIRED_REDUCED and both[1] is torch.bool) else both
+        if both is None or (recipe == PAIRED_REDUCED and both[1] is torch.bool):
+            return None
+        return _with_reduction(both, fixed[-1]) if recipe == PAIRED_REDUCED else both
     reduced, rooted = recipe in (REDUCED, ROOTED_REDUCED), recipe in (ROOTED, ROOTED_REDUCED)
-    if (reduced and fixed[-1] is not _SUM) or (rooted and type(fixed[0]) is not int):
+    if (reduced and not _plannable(fixed[-1])) or (rooted and type(fixed[0]) is not int):
         return None
     kind = key(tensors[at])
     if kind is None or (reduced and kind[1] is torch.bool):
         return None
-    return (kind, fixed[0]) if rooted else kind
+    found = (kind, fixed[0]) if rooted else kind
+    return _with_reduction(found, fixed[-1]) if reduced else found
+
+
+def _plannable(op) -> bool:
+    """A member of ReduceOp (by identity: a torch ReduceOp or a name takes the general path)."""
+    return any(op is r for r in ReduceOp)
+
+
+def _with_reduction(found, op):
+    """The key, with the reduction when it is not SUM (the starter is made for it)."""
+    return found if op is _SUM else (found, op)
 
 

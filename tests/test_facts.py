@@ -96,8 +96,8 @@ def test_plan_key(compiled):
     buf = torch.zeros(16)
     pairs = [(buf[:8], buf[8:]), (buf[:9], buf[8:]), (torch.zeros(4, dtype=torch.bool), torch.zeros(8, dtype=torch.bool))]
     singles = [TENSORS[n] for n in ("float32", "0-d", "empty", "bool", "strided", "requires_grad", "None")]
-    fixed = [(ReduceOp.SUM,), (ReduceOp.MAX,), ("sum",), (0,), (1, ReduceOp.SUM), (True,), (1.0, ReduceOp.SUM),
-             (0, 7), (0, True), (None, 0), (2**40, 0)]
+    fixed = [(ReduceOp.SUM,), (ReduceOp.MAX,), (ReduceOp.AVG,), ("sum",), (0,), (1, ReduceOp.SUM),
+             (1, ReduceOp.MIN), (True,), (1.0, ReduceOp.SUM), (0, 7), (0, True), (None, 0), (2**40, 0)]
     answered = set()
     for recipe in range(7):
         for at in (0, 1):
@@ -114,6 +114,8 @@ def test_plan_key(compiled):
     t = TENSORS["float32"]
     assert reference.plan_key(reference.REDUCED, 0, (t,), (ReduceOp.SUM,)) == (t.nbytes, t.dtype)
     assert reference.plan_key(reference.REDUCED, 0, (TENSORS["bool"],), (ReduceOp.SUM,)) is None  # (mapped to uint8)
+    assert reference.plan_key(reference.REDUCED, 0, (t,), (ReduceOp.AVG,)) == ((t.nbytes, t.dtype), ReduceOp.AVG)
+    assert reference.plan_key(reference.REDUCED, 0, (t,), ("sum",)) is None  # (named, not a member: general)
     assert reference.plan_key(reference.ROOTED, 0, (t,), (True,)) is None  # (True is no rank)
     assert reference.plan_key(reference.P2P, 0, (t,), (1, 5)) == ((t.nbytes, t.dtype), 1, 5)
 

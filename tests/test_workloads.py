@@ -112,6 +112,26 @@ def test_decode_runs_its_all_reduces_on_shm_where_the_table_says(tmp_path):
     assert used["baseline-gloo"] == {"gloo"} and used["baseline-mpi"] == {"mpi"} and used["tuned"] == {"shm"}, used
 
 
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_data_parallel_reduces_its_gradient_buffer_in_buckets_on_each_library(tmp_path, nprocs):
+    """Gradients in one flat buffer, averaged after backward in 1 MiB slices: a
+    table that splits them by size between shm (the full slices) and MPI (the
+    last, smaller one) mixes two libraries in one step, and every mode trains
+    to the same losses (on 4 ranks within the tolerance: sums in other orders)."""
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({"format": "mcrdl-tuning/1", "rules": {"all_reduce": {str(nprocs): [
+        {"max_bytes": 1000000, "backend": "mpi"}, {"max_bytes": None, "backend": "shm"}]}}}))
+    doc, _ = run_workload(tmp_path, "dp", "--mode", "baseline-gloo,baseline-mpi,tuned", "--table", str(path),
+                          nprocs=nprocs)
+    if nprocs == 2:
+        assert_identical(doc)
+    assert doc["agreement"]["ok"], doc["agreement"]
+    used = backends_by_mode(doc)
+    assert used["baseline-mpi"] == {"mpi"} and used["tuned"] == {"shm", "mpi"}, used
+    sizes = sorted(b for _, b, _, _ in doc["summary"]["tuned"]["profile"])
+    assert sizes[-1] == 1 << 20 and sizes[0] < 1 << 20, sizes
+
+
 def test_megatron_tensor_parallel_modes_agree(tmp_path, table):
     doc, _ = run_workload(tmp_path, "megatron", "--mode", MODES, "--table", table)
     assert_identical(doc)

@@ -113,7 +113,8 @@ def _cmd_bench(args, argv) -> int:
                        ops=args.ops.split(",") if args.ops else None, sizes=args.sizes, quick=args.quick,
                        max_bytes=args.max_bytes, step=args.step, iters=args.iters, large_iters=args.large_iters,
                        warmup=args.warmup, rounds=args.rounds, cold=args.cold, check=args.check, table=args.table,
-                       json_path=args.json, csv_path=args.csv, plot=args.plot, timeout=args.timeout)
+                       json_path=args.json, csv_path=args.csv, plot=args.plot, timeout=args.timeout,
+                       threads=args.threads)
     return 1 if failed else 0
 
 
@@ -127,7 +128,7 @@ def _cmd_tune(args, argv) -> int:
              ops=args.ops.split(",") if args.ops else None, sizes=args.sizes, quick=args.quick,
              max_bytes=args.max_bytes, step=args.step, iters=args.iters, large_iters=args.large_iters,
              warmup=args.warmup, rounds=args.rounds, cold=args.cold, margin=args.margin, merge=args.merge,
-             results=args.results, plot=args.plot, timeout=args.timeout)
+             results=args.results, plot=args.plot, timeout=args.timeout, threads=args.threads)
     return 0
 
 
@@ -251,6 +252,9 @@ def parser() -> argparse.ArgumentParser:
         c.add_argument("--cold", action="store_true",
                        help="run a fixed compute step (1 matmul) before each timed call, as in a training "
                             "step (default: back to back, OSU)")
+        c.add_argument("--threads", type=_count(1),
+                       help="torch threads per rank while measuring (default: as launched; --cold: 1), "
+                            "as many as the job will use")
         if name == "bench":
             c.add_argument("--variants", help="e.g. mpi,gloo,mcrdl,raw-mpi,raw-shm "
                                               "(default: every live backend, mcrdl, each library's raw calls)")

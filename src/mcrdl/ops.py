@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial  # (read by drive's setup: a plan's result step on one call's tensor)
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -214,14 +215,16 @@ ISEND, IRECV = SEND._replace(name="isend"), RECV._replace(name="irecv")
 class Plan(NamedTuple):
     """How calls like one call run (csrc/driver.cpp reads it by these names): the
     backend chosen, its started-call function ``start(*tensors, *fixed)``, the
-    bytes the selector keyed on, the root or peer (group rank; -1: none), and
+    bytes the selector keyed on, the root or peer (group rank; -1: none),
     ``extra``: a list op's single tensor's (nbytes, dtype), all_to_all_single's
-    elements per row, else None."""
+    elements per row, else None; ``post``: a step on the result tensor once the
+    op is done (AVG: divide by the group size), else None."""
     backend: str
     start: Callable
     nbytes: int
     peer: int
     extra: object
+    post: Optional[Callable] = None
 
 
 def driver() -> Callable:
@@ -276,6 +279,13 @@ def plan(rt: Runtime, g: Group, op: Op, key: tuple, tensors: tuple, fixed: tuple
     bfixed = (root, *fixed[1:]) if op.root else fixed
     nbytes = op.size(tensors, g.size)
     dtype, rop = tensors[op.block].dtype, fixed[-1] if op.reduces else None
+    post = None
+    if rop is ReduceOp.AVG:  # a sum, then the rank holding the result divides (as _reduction)
+        if not dtype.is_floating_point:
+            return None  # (the general path names the error)
+        rop, bfixed = ReduceOp.SUM, (*bfixed[:-1], ReduceOp.SUM)
+        if not op.root or root == g.rank:
+            post = _divide(g.size)
     chosen = rt.selector.choose(name, nbytes, g.size, "cpu", dtype, rop, backend,
                                 g.declined_async if async_op and backend is None else g.declined)
     timeout, tuner, timed = 0.0 if async_op else g.timeout, rt.autotune, False
@@ -290,8 +300,21 @@ def plan(rt: Runtime, g: Group, op: Op, key: tuple, tensors: tuple, fixed: tuple
         start = tuner.watched(rt, g, name, nbytes, start, timed=timed and not async_op)
     if len(g.plans) >= 4096:
         g.plans.clear()
-    made = g.plans[key] = Plan(chosen, start, nbytes, root, extra)
+    made = g.plans[key] = Plan(chosen, start, nbytes, root, extra, post)
     return made
+
+
+def _divide(n: int) -> Callable:
+    """AVG's step on the result: divide it by ``n`` in place, not as an autograd op
+    (a parameter is a leaf that requires grad), as :func:`~mcrdl.work.run_post` runs steps."""
+    def divide(result: torch.Tensor) -> None:
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            result.div_(n)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+    return divide
 
 
 def could_not_start(op: Op, backend: str, exc: BaseException) -> CommError:

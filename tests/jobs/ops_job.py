@@ -76,6 +76,11 @@ for backend in backends:
                     finish(mcrdl.reduce(t, dst=root, **kw), async_op)
                     if rank == root:
                         check(torch.equal(t, reduced(ranks, numel, dtype, "sum")), tag, "reduce", t)
+                    for op in ops[1:]:  # (AVG: the root divides, the others' tensors are not results)
+                        t = value(rank, numel, dtype, op == "product")
+                        finish(mcrdl.reduce(t, dst=root, op=getattr(mcrdl.ReduceOp, op.upper()), **kw), async_op)
+                        if rank == root:
+                            check(torch.equal(t, reduced(ranks, numel, dtype, op)), tag, "reduce", op, t)
                     # broadcast
                     t = value(rank, numel, dtype)
                     finish(mcrdl.broadcast(t, src=root, **kw), async_op)
@@ -135,6 +140,12 @@ for backend in backends:
                     check(torch.equal(out, value(100 + grank, numel, dtype)), tag, "scatter from views", out)
                     if numel:
                         g = group or mcrdl.api._runtime.world
+                        if PLANNED and dtype is not torch.bool:  # every reduction runs from a plan
+                            keyed = {(k[0], k[1][1]) for k in g.plans if k[-1] is async_op
+                                     and isinstance(k[1][1], mcrdl.ReduceOp)}
+                            wanted = {(o, getattr(mcrdl.ReduceOp, r.upper())) for r in ops[1:]
+                                      for o in ("all_reduce", "reduce", "reduce_scatter_tensor")}
+                            check(wanted <= keyed, tag, "reductions without a plan", wanted - keyed)
                         if not PLANNED:
                             check(not g.plans, tag, "plans in the pure-Python build", list(g.plans))
                         elif not async_op:

@@ -278,17 +278,31 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
             return nullptr;
     } else
         post = THPObjectPtr(Py_NewRef(D.empty));
+    // the plan's step on the result (AVG: divide it), first of the completion steps
+    PyObject *result_step = PyTuple_GET_ITEM(plan, D.post);
+    auto step_first = [&]() {
+        THPObjectPtr step(PyObject_CallFunctionObjArgs(D.partial, result_step, argv[0], nullptr));
+        THPObjectPtr first(step ? PyTuple_Pack(1, step.get()) : nullptr);
+        post = THPObjectPtr(first ? PySequence_Concat(first.get(), post.get()) : nullptr);
+        return static_cast<bool>(post);
+    };
+    if (async_op == Py_True && result_step != Py_None && !step_first())
+        return nullptr;
     if (async_op == Py_True)
         return start_async(engine.get(), g.get(), op, plan, reads.get(), writes.get(), argv, argc, listed_result.get(),
                            post.get());
     THPObjectPtr pending(start_plan(PyTuple_GET_ITEM(plan, D.start), argv, argc));
     if (!pending) // (the CommError the general path raises, the library's error its cause)
         return unstarted(op, chosen);
-    if (pending.get() == D.done) { // (finished inside the backend: the observer's end alone)
+    if (pending.get() == D.done) { // (finished inside the backend: the result step and the observer's end)
+        if (result_step != Py_None && !THPObjectPtr(PyObject_CallOneArg(result_step, argv[0])))
+            return nullptr;
         THPObjectPtr ended(observed ? PyObject_CallNoArgs(end.get()) : Py_NewRef(Py_None));
         return ended ? Py_NewRef(Py_None) : nullptr;
     }
     if (!reads && !touched())
+        return nullptr;
+    if (result_step != Py_None && !step_first())
         return nullptr;
     PyObject *bargs[8] = {rt, g.get(), op, chosen, pending.get(), reads.get(), writes.get(), post.get()};
     return PyObject_Vectorcall(D.blocked, bargs, 8, nullptr);
@@ -318,7 +332,7 @@ PyObject *named(PyObject *ops, const char *name)
 
 // setup(ops): what drive() reads, taken from the module mcrdl.ops by name (its
 // functions general, plan, blocked, could_not_start; its Op and Plan fields;
-// the Group, Runtime and Engine types' slots; DONE, ReduceOp.SUM, the
+// the Group, Runtime and Engine types' slots; DONE, ReduceOp's members, functools.partial, the
 // profiler module and SPAN_MEMO_BYTES).
 PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
 {
@@ -351,19 +365,23 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
         || (d.split = field(of, "Op", "split")) < 0 || (d.reads = field(of, "Op", "reads")) < 0
         || (d.writes = field(of, "Op", "writes")) < 0 || (d.backend = field(pf, "Plan", "backend")) < 0
         || (d.start = field(pf, "Plan", "start")) < 0 || (d.nbytes = field(pf, "Plan", "nbytes")) < 0
-        || (d.peer = field(pf, "Plan", "peer")) < 0 || (d.extra = field(pf, "Plan", "extra")) < 0)
+        || (d.peer = field(pf, "Plan", "peer")) < 0 || (d.extra = field(pf, "Plan", "extra")) < 0
+        || (d.post = field(pf, "Plan", "post")) < 0)
         return nullptr;
     d.last = std::max({d.name, d.recipe, d.at, d.listed, d.at_root, d.collective, d.split, d.reads, d.writes});
     if ((d.memo_bytes = PyLong_AsSsize_t(memo.get())) < 0)
         return PyErr_Occurred() ? nullptr : (PyErr_SetString(PyExc_ValueError, "setup: ops.SPAN_MEMO_BYTES < 0"), nullptr);
     struct { PyObject **slot; const char *name; } kept[] = {
         {&d.general, "general"}, {&d.plan, "plan"}, {&d.blocked, "blocked"}, {&d.unstarted, "could_not_start"},
-        {&d.done, "DONE"}, {&d.profiler, "_torch_profiler"}};
+        {&d.done, "DONE"}, {&d.profiler, "_torch_profiler"}, {&d.partial, "partial"}};
     for (auto &entry : kept) // (each kept for the process's life, as the module is)
         if ((*entry.slot = named(ops, entry.name)) == nullptr)
             return nullptr;
-    if ((SUM = PyObject_GetAttrString(reduce_op.get(), "SUM")) == nullptr)
-        return nullptr;
+    const char *reductions[5] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG"};
+    for (int i = 0; i < 5; i++)
+        if ((REDUCTIONS[i] = PyObject_GetAttrString(reduce_op.get(), reductions[i])) == nullptr)
+            return nullptr;
+    SUM = REDUCTIONS[0];
     d.group_type = group_type.release();
     d.plan_type = plan_type.release();
     if ((d.empty = PyTuple_New(0)) == nullptr || (d.zero = PyLong_FromLong(0)) == nullptr)

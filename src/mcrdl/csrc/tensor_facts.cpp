@@ -258,6 +258,26 @@ const char *const RECIPE_NAMES[RECIPE_COUNT] = {"KEY", "REDUCED", "ROOTED", "ROO
                                                 "PAIRED_REDUCED", "P2P"};
 
 PyObject *SUM = nullptr; // mcrdl.types.ReduceOp.SUM (setup)
+// Every mcrdl.types.ReduceOp member (setup): a call with another reduction takes the general path.
+PyObject *REDUCTIONS[5] = {};
+
+// ``op`` (fixed's last) is a reduction a plan can carry: SUM (the common case, not in
+// the key) or another member of ReduceOp (in the key: the starter is made for it).
+inline bool plannable(PyObject *op)
+{
+    for (PyObject *r : REDUCTIONS)
+        if (op == r)
+            return true;
+    return false;
+}
+
+// ``key``, or (key, op) for a reduction other than SUM; steals key.
+PyObject *with_reduction(PyObject *key, PyObject *op)
+{
+    if (key == nullptr || key == Py_None || op == SUM)
+        return key;
+    return Py_BuildValue("(NO)", key, op);
+}
 
 PyObject *kind_of(const at::Tensor &t)
 {
@@ -301,24 +321,24 @@ PyObject *plan_key_of(long recipe, Py_ssize_t at, PyObject *tensors, PyObject *f
                 Py_RETURN_NONE;
             return kind_and(*t, fixed, 2);
         }
-        if (nt < 2 || (recipe == PAIRED_REDUCED && (nf < 1 || PyTuple_GET_ITEM(fixed, nf - 1) != SUM)))
+        if (nt < 2 || (recipe == PAIRED_REDUCED && (nf < 1 || !plannable(PyTuple_GET_ITEM(fixed, nf - 1)))))
             Py_RETURN_NONE;
         PyObject *args[2] = {PyTuple_GET_ITEM(tensors, 1), PyTuple_GET_ITEM(tensors, 0)};
         const at::Tensor *a = usable(args[0]);
         if (recipe == PAIRED_REDUCED && a != nullptr && a->scalar_type() == at::kBool)
             Py_RETURN_NONE;
-        return pair(nullptr, args, 2);
+        PyObject *both = pair(nullptr, args, 2);
+        return recipe == PAIRED_REDUCED ? with_reduction(both, PyTuple_GET_ITEM(fixed, nf - 1)) : both;
     }
     bool reduced = recipe == REDUCED || recipe == ROOTED_REDUCED, rooted = recipe == ROOTED || recipe == ROOTED_REDUCED;
-    if (at >= nt || (reduced && (nf < 1 || PyTuple_GET_ITEM(fixed, nf - 1) != SUM))
+    if (at >= nt || (reduced && (nf < 1 || !plannable(PyTuple_GET_ITEM(fixed, nf - 1))))
         || (rooted && (nf < 1 || !PyLong_CheckExact(PyTuple_GET_ITEM(fixed, 0)))))
         Py_RETURN_NONE;
     const at::Tensor *t = usable(PyTuple_GET_ITEM(tensors, at));
     if (t == nullptr || (reduced && t->scalar_type() == at::kBool))
         Py_RETURN_NONE;
-    if (rooted)
-        return kind_and(*t, fixed, 1);
-    return kind_of(*t);
+    PyObject *key = rooted ? kind_and(*t, fixed, 1) : kind_of(*t);
+    return reduced ? with_reduction(key, PyTuple_GET_ITEM(fixed, nf - 1)) : key;
 }
 
 // plan_key(recipe, at, tensors, fixed): what a call's plan is keyed on, else None.

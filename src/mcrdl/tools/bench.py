@@ -246,14 +246,17 @@ class Bench:
     def __init__(self, variants: Sequence[str], iters: int = 200, large_iters: int = 20,
                  warmup: int = 5, rounds: int = 5, check: bool = False,
                  progress: Optional[Callable[[str], None]] = None, cold: bool = False,
-                 device: str = "cpu"):
+                 device: str = "cpu", threads: Optional[int] = None):
         self.rank, self.world = api.get_rank(), api.get_world_size()
         self.device = rank_device(device)
         self.mode = "cold" if cold else "back-to-back"
         self.prepare = lambda: None
-        if cold:  # COLD_STEP, on one thread as the workloads run (no idle OpenMP threads spinning)
-            self._threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+        self._threads = torch.get_num_threads()
+        # torch threads while measuring: as asked, else cold mode's COLD_STEP on one thread as the
+        # workloads run (no idle OpenMP threads spinning), else as launched
+        self.threads = threads or (1 if cold else self._threads)
+        torch.set_num_threads(self.threads)
+        if cold:
             a, b = torch.randn(256, 512, device=self.device), torch.randn(512, 512, device=self.device)
             self.prepare = lambda: a @ b
         self.variants = list(variants)
@@ -263,8 +266,7 @@ class Bench:
         self.harness = api.current_runtime().control_backend  # (MPI where it is live)
 
     def close(self) -> None:
-        if hasattr(self, "_threads"):
-            torch.set_num_threads(self._threads)
+        torch.set_num_threads(self._threads)
 
     def _reduce3(self, value: float) -> tuple[float, float, float]:
         """(avg, min, max) of a per-rank value across the world."""
@@ -645,7 +647,8 @@ def run(*, variants: Optional[Sequence[str]] = None, device: Optional[str] = Non
         max_bytes: Optional[int] = None, step: int = 1, iters: Optional[int] = None,
         large_iters: Optional[int] = None, warmup: int = 3, rounds: Optional[int] = None, cold: bool = False,
         check: bool = False, table: Optional[str] = None, json_path: Optional[str] = None,
-        csv_path: Optional[str] = None, plot: Optional[str] = None, timeout: float = 300) -> list[Result]:
+        csv_path: Optional[str] = None, plot: Optional[str] = None, timeout: float = 300,
+        threads: Optional[int] = None) -> list[Result]:
     """``mcrdl bench`` in this job: sweep ``variants`` (default: every live backend,
     ``mcrdl`` and the raw libraries) over ``ops`` and ``sizes``; rank 0 prints the
     tables and writes the files asked for. Starts and ends mcrdl itself (``table``:
@@ -670,14 +673,15 @@ def run(*, variants: Optional[Sequence[str]] = None, device: Optional[str] = Non
         rounds = rounds or (2 if quick else 5)
         progress, task, advance = progress_bar(len(ops) * len(sizes), rank == 0)
         with progress:
-            b = Bench(variants, iters, large, warmup, rounds, check, advance, cold, device)
+            b = Bench(variants, iters, large, warmup, rounds, check, advance, cold, device, threads)
             try:
                 results = b.sweep(ops, sizes)
             finally:
                 b.close()
             progress.update(task, advance=1, description="done")
         meta = metadata({"ops": ops, "sizes": sizes, "variants": variants, "iters": iters,
-                         "large_iters": large, "rounds": rounds, "warmup": warmup}, b.mode, device)
+                         "large_iters": large, "rounds": rounds, "warmup": warmup,
+                         "torch_threads": b.threads}, b.mode, device)
         failed = [r for r in results if r.check == "FAIL"]
         if rank == 0:
             print_tables(results)

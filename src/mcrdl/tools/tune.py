@@ -202,7 +202,7 @@ def run(out: str, *, device: Optional[str] = None, backends: Optional[Sequence[s
         max_bytes: Optional[int] = None, step: int = 1, iters: Optional[int] = None,
         large_iters: Optional[int] = None, warmup: int = 3, rounds: Optional[int] = None, cold: bool = False,
         margin: float = 0.05, merge: Optional[str] = None, results: Optional[str] = None,
-        plot: Optional[str] = None, timeout: float = 300) -> dict:
+        plot: Optional[str] = None, timeout: float = 300, threads: Optional[int] = None) -> dict:
     """Measure ``backends`` (default: every live one) on every rank of this job and
     write the tuning table to ``out`` (rank 0); returns the table. Starts and ends
     mcrdl itself; every rank calls it. ``merge``: keep that table's rules where this
@@ -225,7 +225,7 @@ def run(out: str, *, device: Optional[str] = None, backends: Optional[Sequence[s
         rounds = rounds or (3 if quick else 5)
         progress, task, advance = bench.progress_bar(len(ops) * len(sizes), rank == 0)
         with progress:
-            b = bench.Bench(backends, iters, large, warmup, rounds, False, advance, cold, device)
+            b = bench.Bench(backends, iters, large, warmup, rounds, False, advance, cold, device, threads)
             try:
                 measured = b.sweep(ops, sizes)
                 again = contested(measured, backends, margin)
@@ -238,7 +238,8 @@ def run(out: str, *, device: Optional[str] = None, backends: Optional[Sequence[s
                 b.close()
             progress.update(task, advance=1, description="done")
         meta = bench.metadata({"ops": ops, "sizes": sizes, "backends": backends, "iters": iters,
-                               "large_iters": large, "rounds": rounds, "warmup": warmup, "quick": quick},
+                               "large_iters": large, "rounds": rounds, "warmup": warmup, "quick": quick,
+                               "torch_threads": b.threads},
                               b.mode, device)
         table = make_table(measured, backends, world, meta, margin, again, device)
         if merged:  # what was measured (device, op, group size) replaces OLD's, the rest stays

@@ -9,6 +9,8 @@ scripts are in ``examples/workloads/`` and ``python -m mcrdl.tools.workloads.<na
   all-gather with sequence parallelism), plus data parallelism when the world allows
 * :mod:`.decode`: tensor-parallel decoding (two all-reduces of batch x hidden per layer per
   token, little compute between them: the case DeepSpeed's shared-memory all-reduce is for)
+* :mod:`.dp`: data parallelism with the gradient all-reduce after backward (one flat
+  gradient buffer averaged in buckets, blocking: DeepSpeed's engine without overlap)
 * :mod:`.ddp`: unmodified ``torch.nn.parallel.DistributedDataParallel`` whose gradients
   go through mcrdl by a communication hook (:mod:`mcrdl.integrations.ddp_hook`)
 
@@ -16,4 +18,4 @@ scripts are in ``examples/workloads/`` and ``python -m mcrdl.tools.workloads.<na
 checks that every mode gives the same losses.
 """
 
-NAMES = ("moe", "dlrm", "megatron", "decode", "ddp")
+NAMES = ("moe", "dlrm", "megatron", "decode", "dp", "ddp")
