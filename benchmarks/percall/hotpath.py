@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import Progress
@@ -52,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _record import environment, write_json  # noqa: E402
 from blocking_floor import OPS as FLOOR_OPS, FORMS as FLOOR_FORMS, build as build_floor  # noqa: E402
 
-OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
+OPS = ["all_reduce", "all_reduce max", "all_reduce avg", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
        "reduce_scatter", "gather", "scatter", "all_to_all_single", "all_to_all_single uneven", "send/recv"]
 DEFAULT_SIZES = "4,1K,4K,16K,256K"
 STYLES = ("back to back", "barrier between")
@@ -79,6 +80,28 @@ def build(op: str, n: int, comm, MPI, fill, nonblocking: bool = False):
     rank, w = comm.Get_rank(), comm.Get_size()
     views = lambda *ts: [t.numpy() for t in ts]  # noqa: E731
     pair = lambda k: (lambda x: (x, x.clone()))(fill(k))  # noqa: E731  same data for both
+    if op == "all_reduce max":
+        a, b = pair(n)
+        (bv,) = views(b)
+        if nonblocking:
+            return (lambda: mcrdl.all_reduce(a, op=mcrdl.ReduceOp.MAX, backend="mpi", async_op=True).wait(),
+                    lambda: comm.Iallreduce(MPI.IN_PLACE, bv, op=MPI.MAX).Wait(), [a], [b])
+        return (lambda: mcrdl.all_reduce(a, op=mcrdl.ReduceOp.MAX, backend="mpi"),
+                lambda: comm.Allreduce(MPI.IN_PLACE, bv, op=MPI.MAX), [a], [b])
+    if op == "all_reduce avg":  # raw: the sum, then numpy divides in place
+        a, b = pair(n)
+        (bv,) = views(b)
+        if nonblocking:
+            def raw_async():
+                comm.Iallreduce(MPI.IN_PLACE, bv).Wait()
+                np.divide(bv, w, out=bv)
+            return (lambda: mcrdl.all_reduce(a, op=mcrdl.ReduceOp.AVG, backend="mpi", async_op=True).wait(),
+                    raw_async, [a], [b])
+
+        def raw():
+            comm.Allreduce(MPI.IN_PLACE, bv)
+            np.divide(bv, w, out=bv)
+        return lambda: mcrdl.all_reduce(a, op=mcrdl.ReduceOp.AVG, backend="mpi"), raw, [a], [b]
     if op == "all_reduce":
         a, b = pair(n)
         (bv,) = views(b)
