@@ -9,7 +9,8 @@ It starts ``-n`` local ranks of itself (``mcrdl run``), and in that job:
 1. runs a quick tune of the ops the workloads use (``mcrdl tune --quick``,
    sizes around the workloads' messages) into ``OUT/table.json``;
 2. runs every workload (``mcrdl.tools.workloads``: moe, dlrm, megatron, megatron
-   with sequence parallelism, tensor-parallel decoding, ddp) in every mode for a fixed number of steps,
+   with sequence parallelism, tensor-parallel decoding, data parallelism with the gradient
+   all-reduce after backward, ddp) in every mode for a fixed number of steps,
    modes interleaved over rounds: ``baseline-gloo`` (one library for
    everything: what a PyTorch CPU user has today), ``baseline-mpi`` (the other
    single library), ``coarse`` (one library per op class, chosen from the tune),
@@ -48,6 +49,7 @@ WORKLOADS = {
     "megatron": ("megatron", [], ""),
     "megatron-sp": ("megatron", ["--sequence-parallel"], ""),
     "decode": ("decode", [], ""),
+    "dp": ("dp", [], ""),
     "ddp": ("ddp", [], ",tuned+polled,tuned+fused,tuned+fp16,torch"),
 }
 #: Per device type of the workloads' tensors, the single-library baselines: what
