@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from functools import partial  # (read by drive's setup: a plan's result step on one call's tensor)
+from functools import partial  # (read by drive's setup: AVG's completion step on one call's result)
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -217,14 +217,15 @@ class Plan(NamedTuple):
     backend chosen, its started-call function ``start(*tensors, *fixed)``, the
     bytes the selector keyed on, the root or peer (group rank; -1: none),
     ``extra``: a list op's single tensor's (nbytes, dtype), all_to_all_single's
-    elements per row, else None; ``post``: a step on the result tensor once the
-    op is done (AVG: divide by the group size), else None."""
+    elements per row, else None; ``divide``: what the result tensor is divided
+    by once the op is done (AVG: the group size, on the rank holding the
+    result), else 0."""
     backend: str
     start: Callable
     nbytes: int
     peer: int
     extra: object
-    post: Optional[Callable] = None
+    divide: int = 0
 
 
 def driver() -> Callable:
@@ -279,13 +280,13 @@ def plan(rt: Runtime, g: Group, op: Op, key: tuple, tensors: tuple, fixed: tuple
     bfixed = (root, *fixed[1:]) if op.root else fixed
     nbytes = op.size(tensors, g.size)
     dtype, rop = tensors[op.block].dtype, fixed[-1] if op.reduces else None
-    post = None
+    divide = 0
     if rop is ReduceOp.AVG:  # a sum, then the rank holding the result divides (as _reduction)
         if not dtype.is_floating_point:
             return None  # (the general path names the error)
         rop, bfixed = ReduceOp.SUM, (*bfixed[:-1], ReduceOp.SUM)
         if not op.root or root == g.rank:
-            post = _divide(g.size)
+            divide = g.size
     chosen = rt.selector.choose(name, nbytes, g.size, "cpu", dtype, rop, backend,
                                 g.declined_async if async_op and backend is None else g.declined)
     timeout, tuner, timed = 0.0 if async_op else g.timeout, rt.autotune, False
@@ -300,21 +301,14 @@ def plan(rt: Runtime, g: Group, op: Op, key: tuple, tensors: tuple, fixed: tuple
         start = tuner.watched(rt, g, name, nbytes, start, timed=timed and not async_op)
     if len(g.plans) >= 4096:
         g.plans.clear()
-    made = g.plans[key] = Plan(chosen, start, nbytes, root, extra, post)
+    made = g.plans[key] = Plan(chosen, start, nbytes, root, extra, divide)
     return made
 
 
-def _divide(n: int) -> Callable:
-    """AVG's step on the result: divide it by ``n`` in place, not as an autograd op
-    (a parameter is a leaf that requires grad), as :func:`~mcrdl.work.run_post` runs steps."""
-    def divide(result: torch.Tensor) -> None:
-        enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            result.div_(n)
-        finally:
-            torch._C._set_grad_enabled(enabled)
-    return divide
+def divided(result: torch.Tensor, n: int) -> None:
+    """AVG's step on a result that its start did not finish (a completion step,
+    which :func:`~mcrdl.work.run_post` runs with grad off): divide it by ``n``."""
+    result.div_(n)
 
 
 def could_not_start(op: Op, backend: str, exc: BaseException) -> CommError:

@@ -137,9 +137,12 @@ def polling():
 def parameters():
     """Completion steps work on leaf tensors that require grad (parameters)."""
     for backend in ("mpi", "gloo"):
-        p = torch.nn.Parameter(torch.full((4,), float(rank + 1)))
-        mcrdl.all_reduce(p, op=mcrdl.ReduceOp.AVG, backend=backend)
-        check(torch.allclose(p.detach(), torch.full((4,), (world + 1) / 2)), backend, "AVG", p)
+        for _ in range(2):  # (the second from its plan: the compiled divide)
+            p = torch.nn.Parameter(torch.full((4,), float(rank + 1)))
+            version = p._version
+            mcrdl.all_reduce(p, op=mcrdl.ReduceOp.AVG, backend=backend)
+            check(torch.allclose(p.detach(), torch.full((4,), (world + 1) / 2)), backend, "AVG", p)
+            check(p._version > version, backend, "AVG changed the tensor's version (autograd sees it)")
         q = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
         mcrdl.all_reduce(q, backend=backend)
         check(bool((q.detach() == world).all()), backend, "bf16", q)

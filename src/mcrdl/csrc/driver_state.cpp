@@ -13,10 +13,10 @@ struct Driver {
     PyObject *blocked = nullptr;   // ops.blocked(rt, g, op, backend, pending, reads, writes, post)
     PyObject *unstarted = nullptr; // ops.could_not_start(op, backend, exc): the error of a start that raised
     PyObject *group_type = nullptr, *plan_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr,
-             *zero = nullptr, *partial = nullptr; // (functools.partial: a plan's result step on this call's tensor)
+             *zero = nullptr, *partial = nullptr, *divided = nullptr; // (AVG's completion step: partial(divided, t, n))
     Py_ssize_t memo_bytes = 0; // ops.SPAN_MEMO_BYTES
     Py_ssize_t name, recipe, at, listed, at_root, collective, split, reads, writes, last; // Op's fields
-    Py_ssize_t backend, start, nbytes, peer, extra, post;                                // Plan's fields
+    Py_ssize_t backend, start, nbytes, peer, extra, divide;                              // Plan's fields
 } D;
 
 // Compiled starters drive() starts without Python: each backend's starter type
