@@ -269,6 +269,57 @@ class Workload:
         pass
 
 
+class Classifier(Workload):
+    """A data-parallel MLP classifier (GELU between layers, SGD with momentum) on
+    synthetic data: inputs ~ N(0, 1), labels from a fixed random teacher (argmax
+    of a linear map), seeded by (seed, rank, step). ``batch``, ``hidden`` and
+    ``bucket_mb`` are the subclass's defaults; ``bucket_help`` says what a bucket is."""
+
+    ops = ("all_reduce",)
+    sample_unit = "samples"
+    batch_default, hidden_default, bucket_default, bucket_help = 32, "1024,1024", 2.0, ""
+
+    def add_args(self, p):
+        g = p.add_argument_group(self.name)
+        g.add_argument("--batch", type=int, default=self.batch_default,
+                       help=f"samples per rank (default {self.batch_default})")
+        g.add_argument("--inputs", type=int, default=256)
+        g.add_argument("--hidden", default=self.hidden_default, help="hidden sizes (comma)")
+        g.add_argument("--classes", type=int, default=10)
+        g.add_argument("--bucket-mb", type=float, default=self.bucket_default, help=self.bucket_help)
+        g.add_argument("--lr", type=float, default=0.05)
+
+    def config(self, args):
+        return {"batch": args.batch, "mlp": f"{args.inputs}-{args.hidden.replace(',', '-')}-{args.classes}",
+                "bucket_mb": args.bucket_mb}
+
+    def samples_per_step(self, args, world):
+        return args.batch * world
+
+    def make_net(self, args) -> torch.nn.Module:
+        """The model from ``args.seed`` (the same on every rank), and the teacher."""
+        self.args, self.rank = args, mcrdl.get_rank()
+        torch.manual_seed(args.seed)
+        sizes = [args.inputs, *(int(x) for x in args.hidden.split(",") if x), args.classes]
+        layers = []
+        for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
+            layers.append(torch.nn.Linear(m, n))
+            if i < len(sizes) - 2:
+                layers.append(torch.nn.GELU())
+        self.net = torch.nn.Sequential(*layers).to(self.device)
+        self.teacher = torch.randn(args.inputs, args.classes, generator=generator(args.seed, 3)).to(self.device)
+        return self.net
+
+    def batch(self, i):
+        a = self.args
+        g = generator(a.seed, self.rank, i)
+        x = torch.randn(a.batch, a.inputs, generator=g).to(self.device)
+        return x, (x @ self.teacher).argmax(1)
+
+    def parameters(self):
+        return list(self.net.parameters())
+
+
 # -- modes ----------------------------------------------------------------------------------
 #: The single-library baselines of mode ``all`` per device type (CUDA: MPI host-staged).
 BASELINES = {"cpu": ("gloo", "mpi"), "cuda": ("gloo", "mpi_staged")}

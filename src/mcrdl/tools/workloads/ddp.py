@@ -15,9 +15,7 @@ all-reduce: lossy, not held to the agreement check). Mode ``torch``: no hook,
 DDP's own all-reduce on torch's gloo group (what PyTorch gives a CPU user
 today; its communication is not visible to the timer).
 
-Synthetic classification: inputs ~ N(0, 1), labels from a fixed random
-teacher (argmax of a linear map), seeded by (seed, rank, step); SGD with
-momentum.
+The model and data are :class:`~.common.Classifier`'s.
 """
 from __future__ import annotations
 
@@ -33,55 +31,28 @@ from torch import nn
 
 import mcrdl
 
-from .common import Workload, generator, main as run_main, timer
+from .common import Classifier, main as run_main, timer
 
 
-class DDP(Workload):
+class DDP(Classifier):
     name = "ddp"
-    ops = ("all_reduce",)
     variants = ("polled", "fused", "fp16", "bf16")
     lossy_variants = ("fp16", "bf16")
     modes_extra = ("torch",)
-    sample_unit = "samples"
-
-    def add_args(self, p):
-        g = p.add_argument_group("ddp")
-        g.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
-        g.add_argument("--inputs", type=int, default=256)
-        g.add_argument("--hidden", default="1024,1024", help="hidden sizes (comma)")
-        g.add_argument("--classes", type=int, default=10)
-        g.add_argument("--bucket-mb", type=float, default=2.0, help="DDP bucket_cap_mb")
-        g.add_argument("--lr", type=float, default=0.05)
-
-    def config(self, args):
-        return {"batch": args.batch, "mlp": f"{args.inputs}-{args.hidden.replace(',', '-')}-{args.classes}",
-                "bucket_mb": args.bucket_mb}
-
-    def samples_per_step(self, args, world):
-        return args.batch * world
+    bucket_help = "DDP bucket_cap_mb"
 
     def build(self, args, mode, variant, run_id):
         from mcrdl.integrations.ddp_hook import mcrdl_store, register
 
-        self.args = a = args
-        self.rank, self.world = mcrdl.get_rank(), mcrdl.get_world_size()
+        self.world = mcrdl.get_world_size()
         # torch's default group: DDP needs one to construct (weights broadcast, checks)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"ddp/{run_id}/", mcrdl_store()),
-                                rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=a.timeout))
-        torch.manual_seed(a.seed)
-        sizes = [a.inputs, *(int(x) for x in a.hidden.split(",") if x), a.classes]
-        layers = []
-        for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
-            layers.append(nn.Linear(m, n))
-            if i < len(sizes) - 2:
-                layers.append(nn.GELU())
-        self.net = nn.Sequential(*layers).to(self.device)
-        self.model = nn.parallel.DistributedDataParallel(self.net, bucket_cap_mb=a.bucket_mb)
+                                rank=mcrdl.get_rank(), world_size=self.world,
+                                timeout=timedelta(seconds=args.timeout))
+        self.model = nn.parallel.DistributedDataParallel(self.make_net(args), bucket_cap_mb=args.bucket_mb)
         if mode != "torch":
             register(self.model, variant or "allreduce", wrap=self._timed(variant))
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=a.lr, momentum=0.9)
-        self.teacher = torch.randn(a.inputs, a.classes, generator=generator(a.seed, 3)).to(self.device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
 
     @staticmethod
     def _timed(variant):
@@ -108,13 +79,6 @@ class DDP(Workload):
             return timed
         return wrap
 
-    def batch(self, i):
-        a = self.args
-        g = generator(a.seed, self.rank, i)
-        x = torch.randn(a.batch, a.inputs, generator=g).to(self.device)
-        y = (x @ self.teacher).argmax(1)
-        return x, y
-
     def step(self, i):
         x, y = self.batch(i)
         self.opt.zero_grad(set_to_none=True)
@@ -122,9 +86,6 @@ class DDP(Workload):
         loss.backward()
         self.opt.step()
         return float(loss.detach())
-
-    def parameters(self):
-        return list(self.net.parameters())
 
     def teardown(self):
         del self.model

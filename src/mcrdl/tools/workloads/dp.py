@@ -10,8 +10,7 @@ that leaves little memory for activations) this step is bound by those
 all-reduces: ``4 N`` bytes of them against ``6 N`` FLOPs per sample of
 forward and backward, for ``N`` parameters.
 
-Synthetic classification as in :mod:`.ddp` (inputs ~ N(0, 1), labels from a
-fixed random teacher), seeded by (seed, rank, step).
+The model and data are :class:`~.common.Classifier`'s (as :mod:`.ddp`'s).
 """
 from __future__ import annotations
 
@@ -20,62 +19,30 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import mcrdl
 
-from .common import Workload, comm, generator, main as run_main
+from .common import Classifier, comm, main as run_main
 
 
-class DataParallel(Workload):
+class DataParallel(Classifier):
     name = "dp"
-    ops = ("all_reduce",)
-    sample_unit = "samples"
-
-    def add_args(self, p):
-        g = p.add_argument_group("dp")
-        g.add_argument("--batch", type=int, default=2, help="samples per rank (default 2)")
-        g.add_argument("--inputs", type=int, default=256)
-        g.add_argument("--hidden", default="512,512,512", help="hidden sizes (comma)")
-        g.add_argument("--classes", type=int, default=10)
-        g.add_argument("--bucket-mb", type=float, default=1.0,
-                       help="MiB of the gradient buffer per all-reduce (default 1)")
-        g.add_argument("--lr", type=float, default=0.05)
-
-    def config(self, args):
-        return {"batch": args.batch, "mlp": f"{args.inputs}-{args.hidden.replace(',', '-')}-{args.classes}",
-                "bucket_mb": args.bucket_mb}
-
-    def samples_per_step(self, args, world):
-        return args.batch * world
+    batch_default, hidden_default, bucket_default = 2, "512,512,512", 1.0
+    bucket_help = "MiB of the gradient buffer per all-reduce (default 1)"
 
     def build(self, args, mode, variant, run_id):
-        self.args = a = args
-        self.rank = mcrdl.get_rank()
-        torch.manual_seed(a.seed)
-        sizes = [a.inputs, *(int(x) for x in a.hidden.split(",") if x), a.classes]
-        layers = []
-        for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:])):
-            layers.append(nn.Linear(m, n))
-            if i < len(sizes) - 2:
-                layers.append(nn.GELU())
-        self.net = nn.Sequential(*layers).to(self.device)
-        params = list(self.net.parameters())
+        params = list(self.make_net(args).parameters())
         self.grads = torch.zeros(sum(p.numel() for p in params), device=self.device)
         at = 0
         for p in reversed(params):  # (backward fills the buffer from its start)
             p.grad = self.grads[at:at + p.numel()].view_as(p)
             at += p.numel()
-        per = max(1, int(a.bucket_mb * 2 ** 20) // self.grads.element_size())
+        per = max(1, int(args.bucket_mb * 2 ** 20) // self.grads.element_size())
         self.buckets = list(self.grads.split(per))
-        self.opt = torch.optim.SGD(params, lr=a.lr, momentum=0.9)
-        self.teacher = torch.randn(a.inputs, a.classes, generator=generator(a.seed, 3)).to(self.device)
+        self.opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
 
     def step(self, i):
-        a = self.args
-        g = generator(a.seed, self.rank, i)
-        x = torch.randn(a.batch, a.inputs, generator=g).to(self.device)
-        y = (x @ self.teacher).argmax(1)
+        x, y = self.batch(i)
         self.grads.zero_()
         loss = F.cross_entropy(self.net(x), y)
         loss.backward()
@@ -83,9 +50,6 @@ class DataParallel(Workload):
             comm.all_reduce(bucket, op=mcrdl.ReduceOp.AVG)
         self.opt.step()
         return float(loss.detach())
-
-    def parameters(self):
-        return list(self.net.parameters())
 
 
 WORKLOAD = DataParallel()
