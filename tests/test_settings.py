@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mcrdl import settings
+from mcrdl import backends, settings  # (each library's module declares its own settings)
 
 SRC = Path(settings.__file__).parent
 DOCS = Path(__file__).parents[1] / "docs" / "settings.md"
@@ -49,6 +49,19 @@ def test_a_bad_value_names_the_variable_and_what_it_accepts(monkeypatch, name, t
     monkeypatch.setenv(name, text)
     with pytest.raises(ValueError, match=re.escape(f"{name}: expected {accepts}") + f".*got {text!r}"):
         settings.get(name)
+
+
+def test_a_library_declares_its_own_settings_in_its_module():
+    """A library is one module: its settings are declared there, not in settings.py."""
+    own = {"MCRDL_MPI_CUDA_AWARE": "mpi.py", "MCRDL_MPI_RS_ALLTOALL": "mpi.py", "MCRDL_CCL_LIB": "ccl_lib.py",
+           "MCRDL_CCL_LIBFABRIC": "ccl_lib.py"}
+    for name, module in own.items():
+        assert name in settings.SETTINGS and name in (SRC / "backends" / module).read_text()
+        assert name not in (SRC / "settings.py").read_text()
+    with pytest.raises(ValueError, match="MCRDL_DEBUG is declared twice"):
+        settings.declare(settings.Setting("MCRDL_DEBUG", "flag", True, "another"))
+    settings.declare(settings.SETTINGS["MCRDL_DEBUG"])  # (the same declaration again is fine)
+    assert backends.REGISTRY
 
 
 def test_unknown_names_are_refused():

@@ -1,8 +1,10 @@
 """Every ``MCRDL_*`` environment variable, declared once: name, kind, default, what it does.
 
-This is the only module that reads them (``tests/test_settings.py`` fails on a read
-anywhere else); each component asks :func:`get` when it starts (init, a backend's
-load), so a bad value fails there with an error naming the variable.
+The runtime's are declared here; a library's own, by its backend's module
+(:func:`declare`, so a library stays one module). This is the only module that
+reads them (``tests/test_settings.py`` fails on a read anywhere else); each
+component asks :func:`get` when it starts (init, a backend's load), so a bad value
+fails there with an error naming the variable.
 docs/settings.md is :func:`page` (``mcrdl settings > docs/settings.md``).
 """
 from __future__ import annotations
@@ -52,22 +54,12 @@ SETTINGS = {s.name: s for s in (
             valid=lambda calls: calls != 1),
     Setting("MCRDL_AUTOTUNE_BLOCK_MS", "number", 100.0, "span of a trial block that judges candidates by "
             "the job's steps; 0: no trial", unit="milliseconds"),
-    # the MPI backend and the compiled paths
+    # the compiled paths
     Setting("MCRDL_NATIVE", "flag", True, "build and use the compiled hot path and tensor checks; 0: pure Python"),
     Setting("MCRDL_CACHE", "text", None, "where compiled helpers are cached (default: "
             "`$XDG_CACHE_HOME/mcrdl` or `~/.cache/mcrdl`)", accepts="a directory"),
-    Setting("MCRDL_MPI_CUDA_AWARE", "flag", None, "does MPI take CUDA memory (default: the MPI library's "
-            "own answer, else no)"),
-    Setting("MCRDL_MPI_RS_ALLTOALL", "text", None, "`LO:HI` output bytes per rank where reduce_scatter_tensor "
-            "runs as an all-to-all and a local reduction (default: a band on MPICH)", accepts="LO:HI or off"),
     Setting("MCRDL_WAIT", "text", "auto", "how waits use the CPU: busy-poll, give the CPU up, or spin when the "
             "host's ranks fit its cores", accepts="spin, yield or auto"),
-    # the ccl backend (oneCCL)
-    Setting("MCRDL_CCL_LIB", "text", None, "the folder holding oneCCL's libccl.so.1, libccl.so.2 and "
-            "libccl_legacy_cpu.so (default: the virtualenv's `lib`, where scripts/install_oneccl.sh puts "
-            "them)", accepts="a directory"),
-    Setting("MCRDL_CCL_LIBFABRIC", "text", None, "the libfabric.so.1 oneCCL uses (default: the one in the "
-            "`mpich` wheel)", accepts="a path"),
     # launching
     Setting("MCRDL_RANK_PYTHON", "text", None, "the command `mcrdl run` (and bench, tune, demo) runs each rank's "
             "Python program (`x.py`, `-m mod`) under, split as a shell would: an interpreter, or a wrapper "
@@ -88,6 +80,14 @@ SETTINGS = {s.name: s for s in (
     Setting("MCRDL_FUSION_BUCKET_BYTES", "bytes", 25 << 20, "tensor fusion's bucket cap"),
     Setting("MCRDL_FUSION_POOL_BYTES", "bytes", 256 << 20, "free fusion buffers kept for reuse"),
 )}
+
+
+def declare(*settings: Setting) -> None:
+    """Add a library's own settings (its backend's module calls this when imported)."""
+    for setting in settings:
+        if SETTINGS.get(setting.name, setting) != setting:
+            raise ValueError(f"{setting.name} is declared twice, differently")
+        SETTINGS[setting.name] = setting
 
 
 def get(name: str) -> Any:
@@ -148,7 +148,9 @@ def _setting(name: str) -> Setting:
 
 
 def page() -> str:
-    """docs/settings.md: every setting as a row of a markdown table."""
+    """docs/settings.md: every setting (the libraries' too) as a row of a markdown table."""
+    from . import backends  # noqa: F401  (each library's module declares its own)
+
     def default(s: Setting) -> str:
         if s.default is None:
             return "unset"
@@ -163,6 +165,6 @@ def page() -> str:
     return "\n".join([
         "# Settings", "",
         "Every `MCRDL_*` environment variable mcrdl reads, as declared in `src/mcrdl/settings.py`",
-        "(this page is `mcrdl settings`'s output). An argument of `init_process_group` named in a",
+        "and by each library's module in `src/mcrdl/backends/` (this page is `mcrdl settings`'s output). An argument of `init_process_group` named in a",
         "row wins over its variable.", "",
         "| variable | accepts | default | what it does |", "|---|---|---|---|", *rows]) + "\n"

@@ -31,6 +31,13 @@ from typing import Optional, Sequence
 
 from .. import settings
 
+settings.declare(
+    settings.Setting("MCRDL_CCL_LIB", "text", None, "the folder holding oneCCL's libccl.so.1, libccl.so.2 and "
+                     "libccl_legacy_cpu.so (default: the virtualenv's `lib`, where scripts/install_oneccl.sh "
+                     "puts them)", accepts="a directory"),
+    settings.Setting("MCRDL_CCL_LIBFABRIC", "text", None, "the libfabric.so.1 oneCCL uses (default: the one "
+                     "in the `mpich` wheel)", accepts="a path"))
+
 #: Bytes in an ``onecclUniqueId``.
 UNIQUE_ID_BYTES = 4096
 

@@ -34,6 +34,14 @@ from . import native as native_path
 from .base import ANY_SOURCE, OPS, Backend, Context
 
 
+settings.declare(
+    settings.Setting("MCRDL_MPI_CUDA_AWARE", "flag", None, "does MPI take CUDA memory (default: the MPI "
+                     "library's own answer, else no)"),
+    settings.Setting("MCRDL_MPI_RS_ALLTOALL", "text", None, "`LO:HI` output bytes per rank where "
+                     "reduce_scatter_tensor runs as an all-to-all and a local reduction (default: a band on "
+                     "MPICH)", accepts="LO:HI or off"))
+
+
 def cuda_support() -> tuple[bool, str]:
     """(does MPI take CUDA device memory, how that was decided):
     ``MCRDL_MPI_CUDA_AWARE=1|0`` when set, else the loaded MPI library's own
