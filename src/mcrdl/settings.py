@@ -141,6 +141,8 @@ def parse_bytes(text, what: str = "size") -> int:
 
 
 def _setting(name: str) -> Setting:
+    if name not in SETTINGS:
+        from . import backends  # noqa: F401  (a library's own, declared when its module loads)
     try:
         return SETTINGS[name]
     except KeyError:
