@@ -12,6 +12,7 @@ stop     rank 1 freezes; rank 0's next ccl op must end its process with the
 """
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -262,6 +263,10 @@ def mixed():
 def stop():
     mcrdl.all_reduce(torch.ones(4))
     if rank == 1:
+        # (resumed after 30 s at the latest, so the job ends even where the launcher's signals
+        # cannot reach a stopped process: its next all_reduce meets a peer gone; as shm_job's)
+        subprocess.Popen(["sh", "-c", f"sleep 30; kill -CONT {os.getpid()}"], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print("rank 1 freezes", flush=True)
         os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(0.5)
