@@ -24,7 +24,7 @@ rank unlinks its own once every peer has mapped it, so a job leaves
 The kernels' OpenMP loops use the caller's torch threads, at most this rank's
 share of the CPUs it may run on: beyond it, a peer spinning in its wait holds
 the core a descheduled OpenMP thread of the op needs (2 ranks with 2 torch
-threads each on 2 cores: 15 ms a call instead of 5 us).
+threads each on 2 cores: 10-16 ms a call instead of 7-18 us, docs/backends.md).
 
 The library's waits spin without a deadline and cannot be withdrawn. A
 blocking call with nothing outstanding runs on the caller's thread; any other
