@@ -298,6 +298,22 @@ def _locks():
                          marks=pytest.mark.skipif(COMPILED is facts, reason=facts.status()))]
 
 
+def test_divide_is_avgs_step_with_grad_off(compiled):
+    """Divide(result, n), an async AVG's completion step (run by the compiled wait
+    or called): result /= n in place, also on a parameter, its version bumped
+    (autograd sees the change); the small-tensor loop gives div_'s quotients."""
+    for t in (torch.arange(7, dtype=torch.float32), torch.arange(5000, dtype=torch.float64),
+              torch.arange(9, dtype=torch.float16), torch.arange(24, dtype=torch.float32)[::3],
+              torch.nn.Parameter(torch.arange(4, dtype=torch.float32))):
+        expected, version = t.detach().clone().div_(3), t._version
+        assert compiled.Divide(t, 3)() is None
+        assert torch.equal(t.detach(), expected) and t._version > version, t
+    with pytest.raises(ValueError, match="the divisor must be positive, got 0"):
+        compiled.Divide(torch.ones(2), 0)
+    with pytest.raises(TypeError):
+        compiled.Divide([1.0], 2)
+
+
 @pytest.mark.parametrize("make", _locks())
 def test_engine_lock_behaves_as_threading_rlock(make):
     """csrc/engine.cpp's RLock (the engine's lock, which track() and finished() take without

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from functools import partial  # (read by drive's setup: AVG's completion step on one call's result)
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -303,12 +302,6 @@ def plan(rt: Runtime, g: Group, op: Op, key: tuple, tensors: tuple, fixed: tuple
         g.plans.clear()
     made = g.plans[key] = Plan(chosen, start, nbytes, root, extra, divide)
     return made
-
-
-def divided(result: torch.Tensor, n: int) -> None:
-    """AVG's step on a result that its start did not finish (a completion step,
-    which :func:`~mcrdl.work.run_post` runs with grad off): divide it by ``n``."""
-    result.div_(n)
 
 
 def could_not_start(op: Op, backend: str, exc: BaseException) -> CommError:

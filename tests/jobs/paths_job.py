@@ -270,6 +270,24 @@ def lock_guards_async_works(hold_s: float = 0.3) -> bool:
     return ok
 
 
+def async_avg_waits_compiled(tries: int = 5, patience_s: float = 10.0) -> bool:
+    """An async AVG from its plan stays on the compiled path: its divide is the
+    compiled completion step (csrc/engine.cpp's Divide), which the compiled wait
+    (``finished``) runs, so that wait completes the work, divided."""
+    finished = facts.load().finished
+    mcrdl.all_reduce(torch.ones(4), op=mcrdl.ReduceOp.AVG, async_op=True, backend="mpi").wait()  # (the plan)
+    ok = True
+    for i in range(tries):
+        x = value(rank, 4, torch.float32, i)
+        work = mcrdl.all_reduce(x, op=mcrdl.ReduceOp.AVG, async_op=True, backend="mpi")
+        deadline, done = time.monotonic() + patience_s, False
+        while not done and time.monotonic() < deadline:
+            done = finished(work, 64, 1)
+        work.wait()  # (where the compiled wait never completed it)
+        ok &= done and work not in engine.outstanding and torch.allclose(x, reduced(ALL, 4, torch.float32, "avg", i))
+    return ok
+
+
 if "mpi" in (args.backends or mcrdl.live_backends("cpu", ops=OPS)):
     torch_group = ProcessGroupMCRDL(api.current_runtime().world, rank, world)
     born = born_done()
@@ -281,6 +299,8 @@ if "mpi" in (args.backends or mcrdl.live_backends("cpu", ops=OPS)):
                    type(engine._lock).__module__ == ("mcrdl_facts" if compiled else "_thread"),
                    "mcrdl_facts" if compiled else "_thread", type(engine._lock))
     verdicts.check("the lock guards async works on every path", lock_guards_async_works(), True, False)
+    if compiled:
+        verdicts.check("an async AVG completes on the compiled wait, divided", async_avg_waits_compiled(), True, False)
 verdicts.check("paths done", True)
 print(f"rank {rank}: {calls} calls through {len(DRIVERS)} drivers")
 mcrdl.destroy_process_group()

@@ -36,32 +36,6 @@ PyObject *unstarted(PyObject *op, PyObject *backend)
     return nullptr;
 }
 
-// AVG's divide of a finished result, as ``result.div_(n)`` with grad off (a parameter is a
-// leaf that requires grad): up to 1024 float32 or float64 elements in a loop here, the
-// same IEEE quotients without TensorIterator's set-up (2-3 us of a 4 B call); the rest by
-// div_, whose kernel is vectorized (this loop is not: 256 KiB took 1.7x raw's time).
-template <typename T> void divide_elements(const at::Tensor &t, long n)
-{
-    T *p = t.data_ptr<T>(), d = static_cast<T>(n);
-    for (int64_t i = 0, e = t.numel(); i < e; i++)
-        p[i] = p[i] / d;
-}
-
-void divide_in_place(const at::Tensor &t, long n)
-{
-    bool small = t.numel() <= 1024 && t.is_contiguous();
-    if (small && t.scalar_type() == at::kFloat)
-        divide_elements<float>(t, n);
-    else if (small && t.scalar_type() == at::kDouble)
-        divide_elements<double>(t, n);
-    else {
-        at::NoGradGuard no_grad;
-        t.div_(n);
-        return;
-    }
-    t.unsafeGetTensorImpl()->bump_version(); // (what an in-place op does: autograd sees the change)
-}
-
 // An async call from its plan: ordered after outstanding work on the same
 // memory, started, tracked by the engine (track(), or Engine.run when it has
 // completion steps: ``post``, the observer's end); its Work.
@@ -99,8 +73,9 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
     // handling (the peers' verdict, the flight recorder, the abort at exit).
     bool done = false;
     THPObjectPtr failed;
-    bool steps = PyTuple_GET_SIZE(post) > 0;
-    if (!steps && domain_of(Py_TYPE(pending.get())) != nullptr && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 0) {
+    // (AVG's Divide alone keeps the work compiled: finished() runs it)
+    bool steps = PyTuple_GET_SIZE(post) > 0 && lone_divide(post) == nullptr;
+    if (PyTuple_GET_SIZE(post) == 0 && domain_of(Py_TYPE(pending.get())) != nullptr && PyObject_IsTrue(PyTuple_GET_ITEM(op, D.collective)) == 0) {
         PyObject *request = pending.get();
         THPObjectPtr tested(PyObject_VectorcallMethod(W.s_test, &request, 1, nullptr));
         if (!tested) {
@@ -115,7 +90,7 @@ PyObject *start_async(PyObject *engine, PyObject *g, PyObject *op, PyObject *pla
         return nullptr;
     PyObject *work = steps ? Py_NewRef(Py_None)
                            : track(engine, g, name, backend, pending.get(), reads, writes, result.get(), spans.get(),
-                                   PyTuple_GET_ITEM(plan, D.peer), done);
+                                   PyTuple_GET_ITEM(plan, D.peer), post, done);
     if (work == Py_None) {
         Py_DECREF(work);
         PyObject *run_args[11] = {engine, name, backend, pending.get(), reads, writes, post, g,
@@ -309,7 +284,8 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     PyObject *divisor = PyTuple_GET_ITEM(plan, D.divide);
     int divides = PyObject_IsTrue(divisor);
     auto divide_first = [&]() {
-        THPObjectPtr step(PyObject_CallFunctionObjArgs(D.partial, D.divided, argv[0], divisor, nullptr));
+        PyObject *divide_args[2] = {argv[0], divisor};
+        THPObjectPtr step(PyObject_Vectorcall(reinterpret_cast<PyObject *>(&DivideType), divide_args, 2, nullptr));
         THPObjectPtr first(step ? PyTuple_Pack(1, step.get()) : nullptr);
         post = THPObjectPtr(first ? PySequence_Concat(first.get(), post.get()) : nullptr);
         return static_cast<bool>(post);
@@ -401,7 +377,7 @@ PyObject *setup(PyObject *, PyObject *const *args, Py_ssize_t n)
         return PyErr_Occurred() ? nullptr : (PyErr_SetString(PyExc_ValueError, "setup: ops.SPAN_MEMO_BYTES < 0"), nullptr);
     struct { PyObject **slot; const char *name; } kept[] = {
         {&d.general, "general"}, {&d.plan, "plan"}, {&d.blocked, "blocked"}, {&d.unstarted, "could_not_start"},
-        {&d.done, "DONE"}, {&d.profiler, "_torch_profiler"}, {&d.partial, "partial"}, {&d.divided, "divided"}};
+        {&d.done, "DONE"}, {&d.profiler, "_torch_profiler"}};
     for (auto &entry : kept) // (each kept for the process's life, as the module is)
         if ((*entry.slot = named(ops, entry.name)) == nullptr)
             return nullptr;

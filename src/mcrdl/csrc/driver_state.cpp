@@ -13,7 +13,7 @@ struct Driver {
     PyObject *blocked = nullptr;   // ops.blocked(rt, g, op, backend, pending, reads, writes, post)
     PyObject *unstarted = nullptr; // ops.could_not_start(op, backend, exc): the error of a start that raised
     PyObject *group_type = nullptr, *plan_type = nullptr, *done = nullptr, *profiler = nullptr, *empty = nullptr,
-             *zero = nullptr, *partial = nullptr, *divided = nullptr; // (AVG's completion step: partial(divided, t, n))
+             *zero = nullptr;
     Py_ssize_t memo_bytes = 0; // ops.SPAN_MEMO_BYTES
     Py_ssize_t name, recipe, at, listed, at_root, collective, split, reads, writes, last; // Op's fields
     Py_ssize_t backend, start, nbytes, peer, extra, divide;                              // Plan's fields

@@ -72,7 +72,8 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "mcrdl_facts", nullptr, -1, methods
 
 PyMODINIT_FUNC PyInit_mcrdl_facts(void)
 {
-    if (PyType_Ready(&BeatsType) < 0 || PyType_Ready(&TorchMethodType) < 0 || PyType_Ready(&RLockType) < 0)
+    if (PyType_Ready(&BeatsType) < 0 || PyType_Ready(&TorchMethodType) < 0 || PyType_Ready(&RLockType) < 0
+        || PyType_Ready(&DivideType) < 0)
         return nullptr;
     PyObject *m = PyModule_Create(&module);
     if (m == nullptr)
@@ -80,6 +81,7 @@ PyMODINIT_FUNC PyInit_mcrdl_facts(void)
     if (!add_names(m, "RECIPES", RECIPE_NAMES, RECIPE_COUNT) || !add_names(m, "TORCH_METHODS", KIND_NAMES, T_KINDS)
         || PyModule_AddObjectRef(m, "Beats", reinterpret_cast<PyObject *>(&BeatsType)) < 0
         || PyModule_AddObjectRef(m, "RLock", reinterpret_cast<PyObject *>(&RLockType)) < 0
+        || PyModule_AddObjectRef(m, "Divide", reinterpret_cast<PyObject *>(&DivideType)) < 0
         || PyModule_AddObjectRef(m, "TorchMethod", reinterpret_cast<PyObject *>(&TorchMethodType)) < 0) {
         Py_DECREF(m);
         return nullptr;
