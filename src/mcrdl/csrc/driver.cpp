@@ -284,10 +284,11 @@ PyObject *drive(PyObject *, PyObject *const *args, Py_ssize_t n) try { // (no to
     PyObject *divisor = PyTuple_GET_ITEM(plan, D.divide);
     int divides = PyObject_IsTrue(divisor);
     auto divide_first = [&]() {
-        PyObject *divide_args[2] = {argv[0], divisor};
-        THPObjectPtr step(PyObject_Vectorcall(reinterpret_cast<PyObject *>(&DivideType), divide_args, 2, nullptr));
+        long by = PyLong_AsLong(divisor);
+        THPObjectPtr step(by == -1 && PyErr_Occurred() ? nullptr : divide_step(argv[0], by));
         THPObjectPtr first(step ? PyTuple_Pack(1, step.get()) : nullptr);
-        post = THPObjectPtr(first ? PySequence_Concat(first.get(), post.get()) : nullptr);
+        post = THPObjectPtr(!first || PyTuple_GET_SIZE(post.get()) == 0 ? first.release()
+                                                                        : PySequence_Concat(first.get(), post.get()));
         return static_cast<bool>(post);
     };
     if (divides < 0 || (async_op == Py_True && divides && !divide_first()))

@@ -266,23 +266,7 @@ bool divide_now(Divide *step)
     }
 }
 
-PyObject *divide_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    PyObject *result;
-    long n;
-    if (!PyArg_ParseTuple(args, "O!l:Divide", THPVariableClass, &result, &n))
-        return nullptr;
-    if (n <= 0) {
-        PyErr_Format(PyExc_ValueError, "Divide: the divisor must be positive, got %ld", n);
-        return nullptr;
-    }
-    auto *self = reinterpret_cast<Divide *>(type->tp_alloc(type, 0));
-    if (self != nullptr) {
-        self->result = Py_NewRef(result);
-        self->n = n;
-    }
-    return reinterpret_cast<PyObject *>(self);
-}
+PyObject *divide_new(PyTypeObject *, PyObject *args, PyObject *);
 
 void divide_dealloc(Divide *self)
 {
@@ -312,6 +296,30 @@ PyTypeObject DivideType = [] {
     t.tp_repr = divide_repr;
     return t;
 }();
+
+// A new Divide of ``result`` (a tensor) by ``n`` > 0, without Divide()'s argument parsing (drive's).
+PyObject *divide_step(PyObject *result, long n)
+{
+    auto *self = reinterpret_cast<Divide *>(DivideType.tp_alloc(&DivideType, 0));
+    if (self != nullptr) {
+        self->result = Py_NewRef(result);
+        self->n = n;
+    }
+    return reinterpret_cast<PyObject *>(self);
+}
+
+PyObject *divide_new(PyTypeObject *, PyObject *args, PyObject *)
+{
+    PyObject *result;
+    long n;
+    if (!PyArg_ParseTuple(args, "O!l:Divide", THPVariableClass, &result, &n))
+        return nullptr;
+    if (n <= 0) {
+        PyErr_Format(PyExc_ValueError, "Divide: the divisor must be positive, got %ld", n);
+        return nullptr;
+    }
+    return divide_step(result, n);
+}
 
 // The Divide a work's completion steps are, if they are one and nothing else; nullptr if not.
 Divide *lone_divide(PyObject *post)
